@@ -1,0 +1,180 @@
+"""Conversation objects: `MessageType`, `Message` and `Rollout`.
+
+A `Rollout` is an ordered list of `Message`s plus a free-form `metadata` dict
+(ground truth, group id, env state). Each message knows whether it is trained:
+by default only MODEL turns are, and `trainable=` overrides that per message
+(multi-agent: another agent's MODEL turn can be frozen, any turn can be trained).
+
+Reserved metadata keys read by the library:
+    "group_id"              GRPO group of this rollout (set by `collect_rollouts`)
+    "tools"                 JSON tool schemas passed to `apply_chat_template(tools=...)`
+    "chat_template_kwargs"  extra keyword arguments for the chat template
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class MessageType(Enum):
+    """Who speaks. The value is the chat-template role."""
+
+    SYSTEM = "system"
+    MESSAGE = "user"
+    MODEL = "assistant"
+    TOOL = "tool"
+
+    @property
+    def role(self) -> str:
+        return self.value
+
+    @classmethod
+    def from_role(cls, role: str | MessageType) -> MessageType:
+        """`"assistant"` -> MODEL, ...; raises ValueError naming an unknown role."""
+        if isinstance(role, MessageType):
+            return role
+        for member in cls:
+            if role == member.value or (isinstance(role, str) and role.upper() == member.name):
+                return member
+        allowed = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"unknown role {role!r}; expected one of {allowed} or a MessageType")
+
+
+FINISH_REASONS = ("stop", "length", "tool_call")
+
+
+@dataclass(eq=True)
+class Message:
+    """One turn of a conversation.
+
+    `token_ids` / `logprobs` are what a generator actually sampled for a MODEL
+    turn (the stop/EOS token included when it was sampled); the tokenizer uses
+    them verbatim and never re-tokenizes `content`. `temperature` is the
+    sampling temperature those log-probs are under.
+    """
+
+    content: str
+    type: MessageType = MessageType.MESSAGE
+    name: str | None = field(default=None, kw_only=True)
+    trainable: bool | None = field(default=None, kw_only=True)
+    token_ids: list[int] | None = field(default=None, kw_only=True)
+    logprobs: list[float] | None = field(default=None, kw_only=True)
+    tool_calls: list[dict[str, Any]] | None = field(default=None, kw_only=True)
+    finish_reason: str | None = field(default=None, kw_only=True)
+    temperature: float | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.content, str):
+            raise TypeError(f"Message content must be a str, got {type(self.content).__name__}")
+        self.type = MessageType.from_role(self.type)
+        if self.trainable is not None and not isinstance(self.trainable, bool):
+            raise TypeError(f"Message trainable must be True, False or None, got {self.trainable!r}")
+        if self.token_ids is not None:
+            self.token_ids = [int(t) for t in self.token_ids]
+        if self.logprobs is not None:
+            if self.token_ids is None:
+                raise ValueError("Message logprobs given without token_ids: log-probs belong to sampled ids")
+            self.logprobs = [float(x) for x in self.logprobs]
+            if len(self.logprobs) != len(self.token_ids):
+                raise ValueError(
+                    f"Message token_ids and logprobs differ in length: "
+                    f"{len(self.token_ids)} ids vs {len(self.logprobs)} logprobs"
+                )
+            if any(math.isnan(x) or x > 1e-4 for x in self.logprobs):
+                raise ValueError("Message logprobs must be log-probabilities (<= 0, not NaN)")
+        if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS} or None, got {self.finish_reason!r}")
+
+    @property
+    def role(self) -> str:
+        return self.type.role
+
+    @property
+    def is_trainable(self) -> bool:
+        """Explicit `trainable` wins; otherwise only MODEL turns are trained."""
+        if self.trainable is not None:
+            return self.trainable
+        return self.type is MessageType.MODEL
+
+    def to_dict(self) -> dict[str, Any]:
+        """The chat-template form: role, content, and name / tool_calls when set."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        return out
+
+
+class Rollout:
+    """An ordered conversation plus metadata; the unit the trainer learns from."""
+
+    def __init__(self, messages: Sequence[Message] = (), metadata: dict[str, Any] | None = None):
+        self._messages: list[Message] = []
+        self.metadata: dict[str, Any] = dict(metadata or {})
+        self.add_messages(*messages)
+
+    @classmethod
+    def from_chat(cls, chat: Sequence[dict[str, Any]], **metadata: Any) -> Rollout:
+        """Build from role/content dicts (the inverse of `to_chat`)."""
+        msgs = []
+        for i, turn in enumerate(chat):
+            if "role" not in turn or "content" not in turn:
+                raise ValueError(f"chat turn {i} needs 'role' and 'content' keys, got {sorted(turn)}")
+            msgs.append(
+                Message(turn["content"], MessageType.from_role(turn["role"]), name=turn.get("name"),
+                        tool_calls=turn.get("tool_calls"))
+            )
+        return cls(msgs, metadata)
+
+    def add_messages(self, *msgs: Message) -> Rollout:
+        for i, m in enumerate(msgs):
+            if not isinstance(m, Message):
+                raise TypeError(f"Rollout.add_messages argument {i} is a {type(m).__name__}, not a Message")
+        self._messages.extend(msgs)
+        return self
+
+    @property
+    def messages(self) -> list[Message]:
+        return self._messages
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def __getitem__(self, index):
+        return self._messages[index]
+
+    def __iter__(self) -> Iterator[Message]:
+        return iter(self._messages)
+
+    def __repr__(self) -> str:
+        return f"Rollout({len(self)} messages, metadata keys={sorted(self.metadata)})"
+
+    def to_chat(self) -> list[dict[str, Any]]:
+        return [m.to_dict() for m in self._messages]
+
+    def copy(self) -> Rollout:
+        """A deep copy: messages and metadata are independent of the original."""
+        return _copy.deepcopy(self)
+
+    @property
+    def prompt_messages(self) -> list[Message]:
+        """All messages before the first MODEL message (what GRPO groups on)."""
+        out = []
+        for m in self._messages:
+            if m.type is MessageType.MODEL:
+                break
+            out.append(m)
+        return out
+
+    def last(self, type: MessageType | None = None) -> Message | None:
+        """The last message, or the last of the given type; None when there is none."""
+        for m in reversed(self._messages):
+            if type is None or m.type is type:
+                return m
+        return None

@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny tokenizers and models built locally (nothing is downloaded)."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from SimpleTorchLLMRL.tiny import tiny_model, tiny_tokenizer  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def chatml_tokenizer():
+    """Byte-level BPE with <|im_start|>/<|im_end|> and a Qwen2.5-style ChatML template."""
+    return tiny_tokenizer("chatml")
+
+
+@pytest.fixture(scope="session")
+def llama3_tokenizer():
+    """Byte-level BPE with Llama-3 headers, BOS and <|eot_id|>."""
+    return tiny_tokenizer("llama3")
+
+
+@pytest.fixture(scope="session")
+def plain_tokenizer():
+    """GPT-2 style: no chat template, pad = eos = <|endoftext|>."""
+    return tiny_tokenizer("plain")
+
+
+@pytest.fixture(params=["chatml", "llama3", "plain"])
+def any_tokenizer(request):
+    return tiny_tokenizer(request.param)
+
+
+@pytest.fixture
+def qwen2_model(chatml_tokenizer):
+    return tiny_model("qwen2", chatml_tokenizer)
+
+
+@pytest.fixture
+def llama_model(llama3_tokenizer):
+    return tiny_model("llama", llama3_tokenizer)
+
+
+@pytest.fixture
+def gpt2_model(plain_tokenizer):
+    return tiny_model("gpt2", plain_tokenizer)
