@@ -99,35 +99,109 @@ def _render(tokenizer, chat: list[dict], rollout: Rollout, add_generation_prompt
     )
 
 
-def _segments_with_template(rollout: Rollout, tokenizer) -> list[tuple[str, str, str]]:
-    """(header, rendered content, suffix) text for each message, in order."""
+def _shape_key(chat: list[dict], i: int) -> tuple:
+    """What a template's header/suffix for message i may depend on besides the prefix text."""
+    m = chat[i]
+    return (i == 0, m["role"], m.get("name"), repr(m.get("tool_calls")))
+
+
+def _segments_with_template(rollout: Rollout, tokenizer, cache: dict) -> list[tuple[str, str, str]]:
+    """(header, rendered content, suffix) text for each message, in order.
+
+    Message i's text is render(messages[:i+1]) minus render(messages[:i]). Its
+    header/suffix come from rendering a sentinel in place of the content; that
+    split is cached per message shape and reused only when the real render is
+    exactly prev + header + content (verbatim or trimmed) + suffix.
+    """
     chat = rollout.to_chat()
+    fast = _segments_from_cache(rollout, tokenizer, chat, cache)
+    if fast is not None:
+        return fast
     out = []
     prev = ""
     for i in range(len(chat)):
         full = _render(tokenizer, chat[: i + 1], rollout, False)
-        probe = _render(tokenizer, chat[:i] + [dict(chat[i], content=_SENTINEL)], rollout, False)
-        if not full.startswith(prev) or not probe.startswith(prev) or probe.count(_SENTINEL) != 1:
+        if not full.startswith(prev):
             raise ValueError(
                 f"the chat template is not prefix-stable at message {i} ({chat[i]['role']}): rendering "
                 "messages[:i+1] does not extend the rendering of messages[:i], so per-message token masks "
                 "cannot be derived. Use a template that renders earlier turns unchanged."
             )
-        head, tail = probe[len(prev):].split(_SENTINEL)
         seg = full[len(prev):]
-        if not (seg.startswith(head) and seg.endswith(tail) and len(seg) >= len(head) + len(tail)):
-            raise ValueError(f"the chat template renders message {i} ({chat[i]['role']}) inconsistently")
+        key = _shape_key(chat, i)
+        split = _split_with(seg, cache.get(key), chat[i]["content"])
+        if split is None:
+            probe = _render(tokenizer, chat[:i] + [dict(chat[i], content=_SENTINEL)], rollout, False)
+            if not probe.startswith(prev) or probe.count(_SENTINEL) != 1:
+                raise ValueError(f"the chat template renders message {i} ({chat[i]['role']}) inconsistently")
+            head, tail = probe[len(prev):].split(_SENTINEL)
+            if not (seg.startswith(head) and seg.endswith(tail) and len(seg) >= len(head) + len(tail)):
+                raise ValueError(f"the chat template renders message {i} ({chat[i]['role']}) inconsistently")
+            cache[key] = (head, tail)
+            split = (head, seg[len(head): len(seg) - len(tail)], tail)
         msg = rollout[i]
-        if msg.type is MessageType.MODEL and msg.token_ids is not None:
-            gen_head = _render(tokenizer, chat[:i], rollout, True)[len(prev):] if i else head
-            if gen_head != head:
-                raise ValueError(
-                    f"message {i}: the template's generation prompt {gen_head!r} differs from the header "
-                    f"{head!r} it renders for the same turn in history, so sampled token ids cannot be placed"
-                )
-        out.append((head, seg[len(head): len(seg) - len(tail)], tail))
+        if msg.type is MessageType.MODEL and msg.token_ids is not None and i > 0:
+            _check_generation_header(tokenizer, chat, rollout, i, prev, split[0], cache)
+        out.append(split)
         prev = full
     return out
+
+
+def _segments_from_cache(rollout, tokenizer, chat, cache) -> list[tuple[str, str, str]] | None:
+    """One render of the whole conversation, split by cached per-shape header/suffix pairs.
+
+    Accepted only when the render is exactly the concatenation of every
+    message's cached header + content + suffix (each learned from a prefix
+    render where that shape came last) and every sampled turn's generation
+    header was checked: otherwise None, and the incremental path runs.
+    """
+    pairs = [cache.get(_shape_key(chat, i)) for i in range(len(chat))]
+    if not chat or any(p is None for p in pairs):
+        return None
+    for i, (msg, (head, _)) in enumerate(zip(rollout, pairs, strict=True)):
+        if msg.type is MessageType.MODEL and msg.token_ids is not None and i > 0:
+            if ("generation-header", head) not in cache:
+                return None
+    full = _render(tokenizer, chat, rollout, False)
+    out, pos = [], 0
+    for turn, (head, tail) in zip(chat, pairs, strict=True):
+        for rendered in (turn["content"], turn["content"].strip()):
+            piece = head + rendered + tail
+            if full.startswith(piece, pos):
+                out.append((head, rendered, tail))
+                pos += len(piece)
+                break
+        else:
+            return None
+    return out if pos == len(full) else None
+
+
+def _split_with(seg: str, head_tail: tuple[str, str] | None, content: str) -> tuple[str, str, str] | None:
+    if head_tail is None:
+        return None
+    head, tail = head_tail
+    for rendered in (content, content.strip()):
+        if len(seg) == len(head) + len(rendered) + len(tail) and seg == head + rendered + tail:
+            return head, rendered, tail
+    return None
+
+
+def _check_generation_header(tokenizer, chat, rollout, i, prev, head, cache) -> None:
+    """Sampled ids sit after the generation prompt's header: it must be the history's header."""
+    key = ("generation-header", head)
+    if key in cache:
+        return
+    gen_head = _render(tokenizer, chat[:i], rollout, True)[len(prev):]
+    if gen_head != head:
+        raise ValueError(
+            f"message {i}: the template's generation prompt {gen_head!r} differs from the header "
+            f"{head!r} it renders for the same turn in history, so sampled token ids cannot be placed"
+        )
+    cache[key] = True
+
+
+def _options_key(rollout: Rollout) -> str:
+    return repr((rollout.metadata.get("tools"), rollout.metadata.get("chat_template_kwargs")))
 
 
 def _generation_header(rollout: Rollout, tokenizer) -> str:
@@ -159,10 +233,21 @@ class _Builder:
 
 
 def _tokenize_all(tokenizer, texts: list[str]) -> list[list[int]]:
-    """One batched tokenizer call for many text pieces (the fast tokenizer runs them in parallel)."""
-    wanted = [t for t in texts if t]
-    encoded = iter(tokenizer(wanted, add_special_tokens=False)["input_ids"] if wanted else [])
-    return [next(encoded) if t else [] for t in texts]
+    """Tokenize many text pieces at once: each distinct piece once, in one batched call.
+
+    Headers and suffixes repeat across messages, so deduplication saves most of the work;
+    a fast tokenizer's Rust backend encodes the batch without the Python wrapper's overhead.
+    """
+    unique = [t for t in dict.fromkeys(texts) if t]
+    if not unique:
+        return [[] for _ in texts]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        encoded = [e.ids for e in backend.encode_batch(unique, add_special_tokens=False)]
+    else:
+        encoded = tokenizer(unique, add_special_tokens=False)["input_ids"]
+    table = dict(zip(unique, encoded, strict=True))
+    return [table[t] if t else [] for t in texts]
 
 
 def _check_sampled(msg: Message, index: int) -> None:
@@ -170,11 +255,12 @@ def _check_sampled(msg: Message, index: int) -> None:
         raise ValueError(f"message {index} is a {msg.type.name} message with token_ids; only MODEL turns are sampled")
 
 
-def _plan(rollout: Rollout, tokenizer) -> list[tuple]:
+def _plan(rollout: Rollout, tokenizer, cache: dict) -> list[tuple]:
     """Text pieces to tokenize for one rollout: (kind, payload) in order."""
     plan = []
     if has_chat_template(tokenizer):
-        for i, (msg, (head, content, tail)) in enumerate(zip(rollout, _segments_with_template(rollout, tokenizer))):
+        segments = _segments_with_template(rollout, tokenizer, cache)
+        for i, (msg, (head, content, tail)) in enumerate(zip(rollout, segments, strict=True)):
             _check_sampled(msg, i)
             plan.append(("templated", msg, head, content, tail))
     else:
@@ -264,12 +350,13 @@ def encode_rollouts(rollouts: list[Rollout], tokenizer, max_length: int | None =
     for i, r in enumerate(rollouts):
         if not isinstance(r, Rollout):
             raise TypeError(f"rollout {i} is a {type(r).__name__}, not a Rollout")
-    plans = [_plan(r, tokenizer) for r in rollouts]
+    caches: dict[str, dict] = {}  # header/suffix splits, per template options
+    plans = [_plan(r, tokenizer, caches.setdefault(_options_key(r), {})) for r in rollouts]
     texts = [_texts(p) for p in plans]
     flat = _tokenize_all(tokenizer, [t for ts in texts for t in ts])
     specials = _special_ids(tokenizer)
     out, start = [], 0
-    for i, (r, plan, ts) in enumerate(zip(rollouts, plans, texts)):
+    for i, (r, plan, ts) in enumerate(zip(rollouts, plans, texts, strict=True)):
         pieces = flat[start: start + len(ts)]
         start += len(ts)
         b = _build(plan, pieces, tokenizer, specials)
