@@ -1,0 +1,181 @@
+"""Atomic training checkpoints: write to a temp dir, verify, then rename.
+
+A checkpoint directory `step-000123/` holds:
+    model.safetensors   trainable state (the adapter only, for a peft model)
+    optimizer.pt        optimizer (and scheduler) state
+    rng.pt              Python, NumPy and torch RNG states
+    state.json          step, data position and anything the caller adds
+    MANIFEST.json       size and sha256 of every file above, written last
+
+`latest_checkpoint` returns the newest directory whose manifest verifies; a
+corrupt or partial one is skipped with a warning, never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+PREFIX = "step-"
+MANIFEST = "MANIFEST.json"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _is_peft(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def _model_state(model) -> dict[str, torch.Tensor]:
+    if _is_peft(model):
+        from peft import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(model)
+    else:
+        state = model.state_dict()
+    # safetensors refuses shared storage (tied embeddings): store independent contiguous copies.
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+
+
+def _load_model_state(model, state: dict[str, torch.Tensor]) -> None:
+    if _is_peft(model):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, state)
+    else:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if unexpected or [k for k in missing if k not in _tied_keys(model)]:
+            raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
+
+
+def _tied_keys(model) -> set[str]:
+    keys = getattr(model, "_tied_weights_keys", None) or {}
+    return set(keys if not isinstance(keys, dict) else keys.keys())
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(directory: str | os.PathLike, step: int, model, optimizer=None, scheduler=None,
+                    state: dict[str, Any] | None = None, keep_last: int | None = 2) -> Path:
+    """Write `directory/step-{step:06d}` atomically; returns its path."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:06d}"
+    tmp = root / f".tmp-{PREFIX}{step:06d}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_file(_model_state(model), str(tmp / "model.safetensors"))
+    torch.save({"optimizer": optimizer.state_dict() if optimizer is not None else None,
+                "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "optimizer.pt")
+    torch.save(rng_state(), tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, **(state or {})}, indent=1))
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+    for p in tmp.iterdir():  # make the bytes durable before the rename publishes them
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    if keep_last:
+        for old in _candidates(root)[keep_last:]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _candidates(root: Path) -> list[Path]:
+    """step-* directories, newest first."""
+    dirs = [p for p in root.glob(f"{PREFIX}*") if p.is_dir() and p.name[len(PREFIX):].isdigit()]
+    return sorted(dirs, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
+
+
+def verify_checkpoint(path: str | os.PathLike) -> str | None:
+    """None if the checkpoint is complete and intact, else why not."""
+    path = Path(path)
+    manifest = path / MANIFEST
+    if not manifest.exists():
+        return "no manifest (partial write)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (json.JSONDecodeError, KeyError) as e:
+        return f"unreadable manifest ({e})"
+    for name, meta in files.items():
+        p = path / name
+        if not p.exists():
+            return f"missing {name}"
+        if p.stat().st_size != meta["bytes"] or _sha256(p) != meta["sha256"]:
+            return f"{name} does not match its manifest"
+    return None
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under `directory`, skipping corrupt ones with a warning."""
+    root = Path(directory)
+    if not root.is_dir():
+        return None
+    for candidate in _candidates(root):
+        problem = verify_checkpoint(candidate)
+        if problem is None:
+            return candidate
+        warnings.warn(f"skipping checkpoint {candidate}: {problem}", stacklevel=2)
+    return None
+
+
+def load_checkpoint(path: str | os.PathLike, model, optimizer=None, scheduler=None,
+                    restore_rng: bool = True) -> dict[str, Any]:
+    """Restore model/optimizer/scheduler (and RNG) from a verified checkpoint; returns state.json."""
+    path = Path(path)
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise ValueError(f"checkpoint {path} is not usable: {problem}")
+    _load_model_state(model, load_file(str(path / "model.safetensors")))
+    opt = torch.load(path / "optimizer.pt", weights_only=False)
+    if optimizer is not None and opt["optimizer"] is not None:
+        optimizer.load_state_dict(opt["optimizer"])
+    if scheduler is not None and opt["scheduler"] is not None:
+        scheduler.load_state_dict(opt["scheduler"])
+    if restore_rng:
+        set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    return json.loads((path / "state.json").read_text())
