@@ -1,0 +1,142 @@
+"""Multi-agent rollouts: several named agents speak; only chosen agents' turns are trained.
+
+An agent's turn is a MODEL message with `name=` set. Two ways to train on them:
+
+1. Shared transcript (one policy plays every role and sees every turn as its own
+   kind of turn): keep one `Rollout` and call `set_trainable_agents(rollout, {"A"})`;
+   A's MODEL turns are trained, the other agents' MODEL turns become context
+   (`trainable=False`). `encode_rollout` then puts only A's tokens in the loss mask.
+
+2. Per-agent view (each agent is prompted as in a chat: its own turns are
+   `assistant`, everyone else speaks as `user`): `view_for_agent(rollout, "A")`
+   renders other agents' turns as user messages "[B]: ..." and keeps A's turns
+   (with their sampled `token_ids`/`logprobs`) as trainable MODEL turns. Generate
+   each turn from the speaker's view (`take_turn`) and train on the same view, so
+   the context a turn was sampled under is exactly the context it is trained under.
+
+    debate = Rollout([Message("Is 91 prime?", MessageType.MESSAGE)])
+    for speaker in ["A", "B", "A"]:
+        take_turn(debate, speaker, respond=generator.rollout_generate_response)
+    batch_a = rollouts_to_batch([view_for_agent(debate, "A")], tokenizer)   # trains A only
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+
+from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+
+DEFAULT_TEMPLATE = "[{name}]: {content}"
+
+
+def agent_message(content: str, name: str, *, trainable: bool | None = None, **kwargs) -> Message:
+    """A MODEL turn spoken by agent `name` (other Message keyword arguments pass through)."""
+    _check_name(name)
+    return Message(content, MessageType.MODEL, name=name, trainable=trainable, **kwargs)
+
+
+def _check_name(name) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"an agent name must be a non-empty str, got {name!r}")
+
+
+def _agent_set(agents: str | Iterable[str]) -> frozenset[str]:
+    names = frozenset([agents] if isinstance(agents, str) else agents)
+    for n in names:
+        _check_name(n)
+    return names
+
+
+def agents_in(rollout: Rollout) -> list[str]:
+    """Names of the agents with MODEL turns, in order of first appearance."""
+    seen: dict[str, None] = {}
+    for m in rollout:
+        if m.type is MessageType.MODEL and m.name is not None:
+            seen.setdefault(m.name)
+    return list(seen)
+
+
+def agent_turns(rollout: Rollout, name: str) -> list[Message]:
+    """The MODEL messages spoken by `name`, in order."""
+    return [m for m in rollout if m.type is MessageType.MODEL and m.name == name]
+
+
+def set_trainable_agents(rollout: Rollout, agents: str | Iterable[str], *, strict: bool = True,
+                         inplace: bool = True) -> Rollout:
+    """Mark each MODEL turn trainable iff its `name` is in `agents`; other messages are untouched.
+
+    strict: a name in `agents` that never speaks, or a MODEL turn without a name,
+    raises ValueError (a typo would otherwise silently train nothing). Returns the
+    rollout (a copy when `inplace=False`).
+    """
+    chosen = _agent_set(agents)
+    if strict:
+        unnamed = [i for i, m in enumerate(rollout) if m.type is MessageType.MODEL and m.name is None]
+        if unnamed:
+            raise ValueError(f"MODEL messages {unnamed} have no name=; name every agent turn or pass strict=False")
+        missing = sorted(chosen - set(agents_in(rollout)))
+        if missing:
+            raise ValueError(f"agents {missing} have no MODEL turn in this rollout (speakers: {agents_in(rollout)})")
+    out = rollout if inplace else rollout.copy()
+    for m in out:
+        if m.type is MessageType.MODEL:
+            m.trainable = m.name in chosen
+    return out
+
+
+def trainable_agents(rollout: Rollout) -> set[str | None]:
+    """Names of the agents whose MODEL turns are currently trained (None for unnamed turns)."""
+    return {m.name for m in rollout if m.type is MessageType.MODEL and m.is_trainable}
+
+
+def render_turn(message: Message, template: str = DEFAULT_TEMPLATE) -> str:
+    """Another agent's turn as text: `template.format(name=..., content=...)`."""
+    return template.format(name=message.name if message.name is not None else "agent", content=message.content)
+
+
+def view_for_agent(rollout: Rollout, agent: str, *, template: str = DEFAULT_TEMPLATE,
+                   as_type: MessageType = MessageType.MESSAGE, train: bool = True) -> Rollout:
+    """The conversation as `agent` sees it: its own turns as MODEL, everyone else's rendered as `as_type`.
+
+    Own turns keep content, token_ids, logprobs and temperature, and are trainable
+    iff `train`. Other agents' MODEL turns become `as_type` messages (user by default)
+    with `render_turn` text, never trained; their sampled ids are dropped (they are
+    re-tokenized as context). SYSTEM / user / TOOL messages and metadata are copied.
+    """
+    _check_name(agent)
+    if as_type is MessageType.MODEL:
+        raise ValueError("as_type must be a non-MODEL MessageType (the other agents' turns are context)")
+    view = Rollout(metadata=rollout.copy().metadata)
+    for m in rollout:
+        if m.type is MessageType.MODEL and m.name == agent:
+            view.add_messages(replace(m, trainable=train))
+        elif m.type is MessageType.MODEL:
+            view.add_messages(Message(render_turn(m, template), as_type, name=m.name, trainable=False))
+        else:
+            view.add_messages(replace(m))
+    view.metadata["agent"] = agent
+    return view
+
+
+def views_by_agent(rollout: Rollout, agents: Iterable[str] | None = None, **kwargs) -> dict[str, Rollout]:
+    """`{name: view_for_agent(rollout, name)}` for the given agents (default: every speaker)."""
+    names = list(agents) if agents is not None else agents_in(rollout)
+    return {n: view_for_agent(rollout, n, **kwargs) for n in names}
+
+
+def take_turn(rollout: Rollout, agent: str, respond: Callable[[Rollout], Message], *,
+              template: str = DEFAULT_TEMPLATE, trainable: bool | None = None) -> Message:
+    """Let `agent` speak: `respond(view_for_agent(rollout, agent))` -> Message, named and appended to `rollout`.
+
+    `respond` is e.g. `ModelGenerate(...).rollout_generate_response`, or a scripted
+    function for a fixed opponent. Its message is stored as a MODEL turn with
+    `name=agent` (sampled ids and log-probs kept); returns that message.
+    """
+    _check_name(agent)
+    reply = respond(view_for_agent(rollout, agent, template=template))
+    if not isinstance(reply, Message):
+        raise TypeError(f"respond must return a Message, got {type(reply).__name__}")
+    reply = replace(reply, type=MessageType.MODEL, name=agent, trainable=trainable)
+    rollout.add_messages(reply)
+    return reply

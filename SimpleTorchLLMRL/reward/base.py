@@ -1,0 +1,125 @@
+"""The reward protocol: `reward(rollouts, ground_truths) -> torch.Tensor` of shape (B,), float32.
+
+Legend: B batch (number of rollouts).
+
+A reward reads the final MODEL message of each rollout (`Rollout.last(MessageType.MODEL)`).
+A rollout without one scores the reward's failure value; it never raises. Mismatched
+lengths of `rollouts` and `ground_truths` raise ValueError.
+
+`Reward` is a convenience base: subclasses implement `score(message, ground_truth)`
+for one rollout. Any callable with the same batched signature works wherever a
+reward is expected (e.g. in `CombinedReward`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+
+
+def final_model_message(rollout: Rollout) -> Message | None:
+    """The last MODEL message of `rollout`, or None when the model never spoke."""
+    if not isinstance(rollout, Rollout):
+        raise TypeError(f"expected a Rollout, got {type(rollout).__name__}")
+    return rollout.last(MessageType.MODEL)
+
+
+def check_batch(rollouts: Sequence[Rollout], ground_truths: Sequence[Any] | None) -> list[Any]:
+    """Ground truths as a list aligned with `rollouts` (all None when not given)."""
+    if isinstance(rollouts, Rollout):
+        raise TypeError("a reward takes a list of Rollouts, got a single Rollout; wrap it: [rollout]")
+    n = len(rollouts)
+    if ground_truths is None:
+        return [None] * n
+    if isinstance(ground_truths, str):
+        raise TypeError("ground_truths must be a sequence with one entry per rollout, got a single str")
+    gts = list(ground_truths)
+    if len(gts) != n:
+        raise ValueError(f"got {n} rollouts but {len(gts)} ground_truths; they must have the same length")
+    return gts
+
+
+def as_reward_tensor(values: Sequence[float]) -> torch.Tensor:
+    """(B,) float32 tensor from Python floats."""
+    return torch.tensor([float(v) for v in values], dtype=torch.float32)  # (B,)
+
+
+def check_finite(name: str, value: float) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+class Reward:
+    """Base class. `__call__(rollouts, ground_truths) -> (B,) float32` via per-rollout `score`.
+
+    `failure_value` is returned for a rollout with no MODEL message.
+    """
+
+    name: str = "reward"
+    failure_value: float = 0.0
+
+    def score(self, message: Message, ground_truth: Any, rollout: Rollout) -> float:
+        raise NotImplementedError
+
+    def __call__(self, rollouts: Sequence[Rollout], ground_truths: Sequence[Any] | None = None) -> torch.Tensor:
+        gts = check_batch(rollouts, ground_truths)
+        out = []
+        for rollout, gt in zip(rollouts, gts, strict=True):
+            msg = final_model_message(rollout)
+            out.append(self.failure_value if msg is None else self.score(msg, gt, rollout))
+        return as_reward_tensor(out)  # (B,)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class FunctionReward(Reward):
+    """Wrap `fn(text, ground_truth) -> float` (text = final MODEL message content) as a batched reward.
+
+        reward = FunctionReward(lambda text, gt: float(gt in text), name="contains")
+    """
+
+    def __init__(self, fn: Callable[[str, Any], float], name: str | None = None, failure_value: float = 0.0):
+        if not callable(fn):
+            raise TypeError(f"FunctionReward fn must be callable, got {type(fn).__name__}")
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", "function")
+        self.failure_value = check_finite("failure_value", failure_value)
+
+    def score(self, message, ground_truth, rollout):
+        return float(self.fn(message.content, ground_truth))
+
+
+def make_extractor(extract: str | Callable[[str], str | None] | None) -> Callable[[str], str | None]:
+    """The answer-extraction function for `extract`.
+
+    None: the whole text. A regex string: its last match in the text (group 1 if the
+    pattern has a group, else the whole match; DOTALL), None when it does not match.
+    A callable: used as is (returns the answer or None).
+    """
+    if extract is None:
+        return lambda text: text
+    if callable(extract):
+        return extract
+    if isinstance(extract, str):
+        try:
+            pattern = re.compile(extract, re.DOTALL)
+        except re.error as e:
+            raise ValueError(f"extract is not a valid regex: {extract!r} ({e})") from e
+
+        def from_regex(text: str) -> str | None:
+            matches = list(pattern.finditer(text))
+            if not matches:
+                return None
+            last = matches[-1]
+            return last.group(1) if pattern.groups else last.group(0)
+
+        return from_regex
+    raise ValueError(f"extract must be None, a regex string or a callable, got {type(extract).__name__}")

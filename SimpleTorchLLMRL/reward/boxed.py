@@ -1,0 +1,88 @@
+r"""`BoxedReward`: is the last `\boxed{...}` of the final MODEL message the right answer?
+
+Legend: B batch.
+
+    reward = BoxedReward()                          # 1.0 correct, 0.0 otherwise
+    rewards = reward(rollouts, ["\\frac{1}{2}", "42"])   # (B,) float32
+
+Equivalence is `reward.math.math_equal`: math-verify when installed (`uv sync
+--extra math`), and a careful normalizer (1/2 == 0.5 == \dfrac12, 1,000 == 1000,
+units and `x =` stripped) either way. A ground truth may itself be a full
+solution: its own last `\boxed{}` or the text after a GSM8K-style `####` is used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from SimpleTorchLLMRL.chat.message import Message, Rollout
+from SimpleTorchLLMRL.reward.base import Reward, check_finite
+from SimpleTorchLLMRL.reward.math import extract_boxed, math_equal
+
+
+def gold_answer(ground_truth: Any) -> str | None:
+    r"""The answer inside a ground truth: its last `\boxed{}`, the text after `####`, or itself."""
+    if ground_truth is None:
+        return None
+    if isinstance(ground_truth, float) and ground_truth.is_integer():
+        ground_truth = int(ground_truth)
+    text = str(ground_truth).strip()
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        return boxed
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip()
+    return text
+
+
+class BoxedReward(Reward):
+    r"""Score the last `\boxed{}` of each rollout's final MODEL message against its ground truth.
+
+    correct / incorrect / no_answer: the values for a matching box, a wrong box,
+    and no (or an empty) box or no MODEL message at all. `use_math_verify`:
+    None = when installed, True = required, False = normalizer only.
+    A ground truth may be a list of acceptable answers (any match counts).
+    """
+
+    name = "boxed"
+
+    def __init__(self, correct: float = 1.0, incorrect: float = 0.0, no_answer: float = 0.0,
+                 use_math_verify: bool | None = None, rel_tol: float = 1e-9):
+        self.correct = check_finite("correct", correct)
+        self.incorrect = check_finite("incorrect", incorrect)
+        self.no_answer = check_finite("no_answer", no_answer)
+        if use_math_verify not in (None, True, False):
+            raise ValueError(f"use_math_verify must be None, True or False, got {use_math_verify!r}")
+        if use_math_verify is True:
+            from SimpleTorchLLMRL.reward.math import _import_math_verify
+
+            _import_math_verify()  # fail at construction, not in the middle of training
+        self.use_math_verify = use_math_verify
+        if not (0.0 <= rel_tol < 1.0):
+            raise ValueError(f"rel_tol must be in [0, 1), got {rel_tol!r}")
+        self.rel_tol = float(rel_tol)
+
+    @property
+    def failure_value(self) -> float:
+        return self.no_answer
+
+    @staticmethod
+    def extract(text: str | None) -> str | None:
+        r"""The answer this reward reads from `text`: its last complete `\boxed{}` (None if none/empty)."""
+        answer = extract_boxed(text)
+        return answer if answer else None
+
+    def is_correct(self, prediction: str | None, ground_truth: Any) -> bool:
+        golds = ground_truth if isinstance(ground_truth, (list, tuple)) else [ground_truth]
+        if not golds or any(g is None for g in golds):
+            raise ValueError(f"BoxedReward needs a ground truth for every rollout, got {ground_truth!r}")
+        return any(
+            math_equal(prediction, gold_answer(g), use_math_verify=self.use_math_verify, rel_tol=self.rel_tol)
+            for g in golds
+        )
+
+    def score(self, message: Message, ground_truth: Any, rollout: Rollout) -> float:
+        prediction = self.extract(message.content)
+        if prediction is None:
+            return self.no_answer
+        return self.correct if self.is_correct(prediction, ground_truth) else self.incorrect
