@@ -18,10 +18,13 @@ class Env:
 
     `tools`: JSON tool schemas (OpenAI function format) that the chat template
     should show the model; `collect_rollouts` copies them into
-    `rollout.metadata["tools"]`.
+    `rollout.metadata["tools"]`. `stop_strings`: where a MODEL turn should end
+    so the env can act (e.g. "</tool_call>"); pass them to the generator as
+    `ModelGenerate(..., tool_call_stop=env.stop_strings)`.
     """
 
     tools: list[dict] | None = None
+    stop_strings: list[str] | None = None
     max_turns: int | None = None
 
     def setup(self, question: Any, answer: Any = None) -> tuple[list[Message], Any]:

@@ -1,0 +1,220 @@
+"""`Tool` and the `@tool` decorator: a typed, docstringed function plus its JSON schema.
+
+The schema is the OpenAI function format that `transformers.utils.get_json_schema`
+derives from the type hints and the Google-style docstring, so it is exactly what
+`tokenizer.apply_chat_template(..., tools=[...])` expects:
+
+    @tool
+    def add(a: int, b: int) -> int:
+        '''Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        '''
+        return a + b
+
+    add.schema["function"]["name"]    # 'add'
+    add(2, 3)                         # 5: calling a tool calls the function
+    add.run({"a": 2, "b": 3})         # '5': checked arguments, result as text
+
+`run` checks the arguments against the schema first and raises `ToolArgumentError`
+with a message meant for the model; `ToolRegistry.execute` turns every failure into
+a TOOL message.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+_JSON_TYPES = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list, tuple),
+    "object": (dict,),
+    "null": (type(None),),
+}
+
+
+class ToolArgumentError(ValueError):
+    """The arguments of a call do not fit the tool's schema (the message is for the model)."""
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, (list, tuple)):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _fits(value: Any, kind: str) -> bool:
+    if kind not in _JSON_TYPES:
+        return True  # a type this checker does not know: let the function decide
+    if isinstance(value, bool) and kind in ("integer", "number"):
+        return False  # JSON true is not a number
+    if kind == "number" and isinstance(value, float) and not math.isfinite(value):
+        return False
+    return isinstance(value, _JSON_TYPES[kind])
+
+
+def _types(spec: dict) -> list[str]:
+    kinds = spec.get("type")
+    return [kinds] if isinstance(kinds, str) else list(kinds or [])
+
+
+def check_value(value: Any, spec: dict, where: str) -> Any:
+    """Check `value` against a (small subset of) JSON schema `spec`; return it, coerced.
+
+    Coercion is limited to what models commonly emit: an integral float (3.0) for
+    an integer parameter. Raises ToolArgumentError naming `where`.
+    """
+    kinds = _types(spec)
+    if spec.get("nullable") and value is None:
+        return None
+    if kinds:
+        if "integer" in kinds and isinstance(value, float) and value.is_integer() and "number" not in kinds:
+            value = int(value)
+        if not any(_fits(value, k) for k in kinds):
+            shown = json.dumps(value)[:60] if _type_name(value) in _JSON_TYPES else repr(value)[:60]
+            raise ToolArgumentError(
+                f"argument {where!r} must be of type {' or '.join(kinds)}, got {_type_name(value)} {shown}"
+            )
+    if "enum" in spec and value not in spec["enum"]:
+        raise ToolArgumentError(f"argument {where!r} must be one of {spec['enum']}, got {value!r}")
+    if isinstance(value, (list, tuple)) and isinstance(spec.get("items"), dict):
+        value = [check_value(v, spec["items"], f"{where}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
+class Tool:
+    """A callable with an OpenAI-format JSON schema.
+
+    fn:          a function with type hints and a Google-style docstring (`Args:` section)
+    name:        overrides the function's name in the schema
+    description: overrides the docstring's description
+    timeout:     seconds a call may take (None: the registry's default)
+    schema:      a ready schema; by default derived with `transformers.utils.get_json_schema`
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None,
+                 timeout: float | None = None, schema: dict | None = None):
+        if not callable(fn):
+            raise TypeError(f"Tool needs a callable, got {type(fn).__name__}")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"Tool timeout must be a positive number of seconds or None, got {timeout!r}")
+        if schema is None:
+            from transformers.utils import get_json_schema
+
+            try:
+                schema = get_json_schema(fn)
+            except Exception as e:  # TypeHintParsingException / DocstringParsingException
+                raise ValueError(
+                    f"cannot derive a tool schema from {getattr(fn, '__name__', fn)!r}: {e}. A tool function "
+                    "needs type hints on every argument and a Google-style docstring with an Args: section."
+                ) from e
+        schema = json.loads(json.dumps(schema))  # an independent, JSON-clean copy
+        if "function" not in schema or "name" not in schema["function"]:
+            raise ValueError("Tool schema must look like {'type': 'function', 'function': {'name': ..., ...}}")
+        if name is not None:
+            schema["function"]["name"] = name
+        if description is not None:
+            schema["function"]["description"] = description
+        self.fn = fn
+        self.schema = schema
+        self.timeout = timeout
+        functools.update_wrapper(self, fn, updated=())
+
+    @property
+    def name(self) -> str:
+        return self.schema["function"]["name"]
+
+    @property
+    def description(self) -> str:
+        return self.schema["function"].get("description", "")
+
+    @property
+    def parameters(self) -> dict:
+        return self.schema["function"].get("parameters") or {"type": "object", "properties": {}}
+
+    @property
+    def text_argument(self) -> str | None:
+        """The parameter a bare text body (`<tag>body</tag>`, a code block) is bound to.
+
+        The only string parameter, else the first required string parameter; None if there is none.
+        """
+        props = self.parameters.get("properties", {})
+        strings = [k for k, v in props.items() if "string" in _types(v)]
+        if len(strings) == 1:
+            return strings[0]
+        required = [k for k in self.parameters.get("required", []) if k in strings]
+        return required[0] if required else None
+
+    def check_arguments(self, arguments: Any) -> dict:
+        """Arguments checked against the schema (missing, unexpected, types); raises ToolArgumentError."""
+        if not isinstance(arguments, dict):
+            raise ToolArgumentError(f"arguments must be a JSON object, got {_type_name(arguments)}")
+        props = self.parameters.get("properties", {})
+        missing = [k for k in self.parameters.get("required", []) if k not in arguments]
+        if missing:
+            raise ToolArgumentError(f"missing required argument(s): {', '.join(missing)}")
+        unknown = [k for k in arguments if k not in props]
+        if unknown:
+            allowed = ", ".join(props) or "none"
+            raise ToolArgumentError(f"unexpected argument(s): {', '.join(map(str, unknown))} (allowed: {allowed})")
+        return {k: check_value(v, props[k], k) for k, v in arguments.items()}
+
+    def bind_text(self, text: str) -> dict:
+        """Arguments for a bare text body; raises ToolArgumentError if the tool takes no text."""
+        arg = self.text_argument
+        if arg is None:
+            raise ToolArgumentError(f"tool {self.name!r} takes no text argument; call it with JSON arguments")
+        return {arg: text}
+
+    def run(self, arguments: dict) -> str:
+        """Check `arguments`, call the function, and return its result as text."""
+        result = self.fn(**self.check_arguments(arguments))
+        return format_result(result)
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Tool({self.name!r})"
+
+
+def format_result(result: Any) -> str:
+    """A tool's return value as message text: strings as they are, the rest as JSON (or str)."""
+    if isinstance(result, str):
+        return result
+    if hasattr(result, "to_text"):
+        return result.to_text()
+    try:
+        return json.dumps(result, ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        return str(result)
+
+
+def tool(fn: Callable | None = None, *, name: str | None = None, description: str | None = None,
+         timeout: float | None = None):
+    """Decorator: `@tool` or `@tool(name=..., timeout=...)` turns a function into a `Tool`."""
+    def wrap(f: Callable) -> Tool:
+        return Tool(f, name=name, description=description, timeout=timeout)
+
+    return wrap(fn) if fn is not None else wrap
