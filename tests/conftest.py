@@ -11,7 +11,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from SimpleTorchLLMRL.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
-torch.set_num_threads(2)
+# Tiny models gain nothing from intra-op threads; one thread avoids oversubscribing small CI machines.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,126 @@
+"""`collect_rollouts`: the batched multi-turn episode loop.
+
+Legend: Q questions, G group size, R = Q * G rollouts.
+
+Each turn, every unfinished rollout generates together in one batch; then the
+env reacts to each (`Env.step`) concurrently in a thread pool, so one slow tool
+call does not serialize the batch. Finished rollouts drop out of the batch.
+
+Metadata written on each rollout:
+    "group_id"     index of its question (the G members of a group share it)
+    "question", "answer"   the dataset row
+    "env_state"    the Env's per-episode state (from `setup`, passed to every `step`)
+    "tools"        a copy of `env.tools` (the chat template shows them to the model)
+    "turns"        number of MODEL turns generated
+    "done_reason"  "env" (the env said done), "env_error" (step raised: the error is in
+                   metadata["env_error"] and a TOOL message says so), "max_turns", or
+                   "context" (the next prompt would not fit the model's context)
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+
+DEFAULT_MAX_TURNS = 10
+
+
+def _error_message(what: str, exc: BaseException) -> Message:
+    return Message(f"Error: {what} failed with {type(exc).__name__}: {exc}", MessageType.TOOL)
+
+
+def _check_step_result(result) -> tuple[list[Message], bool]:
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise TypeError(f"Env.step must return (messages, done), got {type(result).__name__}")
+    msgs, done = result
+    msgs = list(msgs or [])
+    for m in msgs:
+        if not isinstance(m, Message):
+            raise TypeError(f"Env.step returned a {type(m).__name__} among its messages, not a Message")
+    return msgs, bool(done)
+
+
+def _step(env, rollout: Rollout) -> tuple[list[Message], bool, str | None]:
+    """One env step that never raises: a failure becomes a TOOL message and ends the episode."""
+    try:
+        msgs, done = _check_step_result(env.step(rollout, rollout.metadata.get("env_state")))
+        return msgs, done, None
+    except Exception as e:  # noqa: BLE001  (any env failure is data, not a crash of the batch)
+        return [_error_message("the environment step", e)], True, f"{type(e).__name__}: {e}"
+
+
+def _setup(env, question, answer, group_id: int, tools) -> Rollout:
+    msgs, state = env.setup(question, answer)
+    meta: dict[str, Any] = {"group_id": group_id, "question": question, "answer": answer,
+                            "env_state": state, "turns": 0}
+    if tools is not None:
+        meta["tools"] = copy.deepcopy(tools)
+    return Rollout(list(msgs), meta)
+
+
+def _finish(rollout: Rollout, reason: str) -> None:
+    rollout.metadata["done_reason"] = reason
+
+
+def collect_rollouts(generator, env, questions: Sequence[Any], answers: Sequence[Any] | None = None,
+                     group_size: int = 1, max_turns: int | None = None,
+                     max_workers: int | None = None) -> list[Rollout]:
+    """Run one episode per (question, group member) and return the R = Q * G rollouts, group-major.
+
+    generator: anything with `batch_rollout_generate_response(rollouts)` (appends one MODEL message
+    each), e.g. `ModelGenerate`; if it also has `fits(rollout)`, episodes whose next prompt would
+    overflow the model's context end with done_reason "context" instead of raising.
+    env: an `Env` (`setup(question, answer) -> (messages, state)`, `step(rollout, state) -> (messages,
+    done)`); `setup` and `step` run concurrently in threads, so they must not share unguarded
+    mutable state. A `step` that raises ends that episode with a TOOL message saying what failed;
+    a `setup` that raises propagates (there is no episode to record).
+    max_turns: MODEL turns per episode (default: `env.max_turns`, else 10).
+    """
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    questions = list(questions)
+    answers = [None] * len(questions) if answers is None else list(answers)
+    if len(answers) != len(questions):
+        raise ValueError(f"questions and answers differ in length: {len(questions)} vs {len(answers)}")
+    max_turns = max_turns if max_turns is not None else (getattr(env, "max_turns", None) or DEFAULT_MAX_TURNS)
+    if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+        raise ValueError(f"max_turns must be a positive int, got {max_turns!r}")
+    if not questions:
+        return []
+    rows = enumerate(zip(questions, answers, strict=True))
+    jobs = [(q, a, gi) for gi, (q, a) in rows for _ in range(group_size)]  # R = Q * G, group-major
+    tools = getattr(env, "tools", None)
+    workers = max_workers or min(32, len(jobs))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env") as pool:
+        rollouts = list(pool.map(lambda job: _setup(env, *job, tools), jobs))
+        active = list(range(len(rollouts)))
+        for turn in range(max_turns):
+            if turn > 0 and hasattr(generator, "fits"):
+                overflow = {i for i in active if not generator.fits(rollouts[i])}
+                for i in overflow:
+                    _finish(rollouts[i], "context")
+                active = [i for i in active if i not in overflow]
+            if not active:
+                break
+            generator.batch_rollout_generate_response([rollouts[i] for i in active])
+            for i in active:
+                rollouts[i].metadata["turns"] += 1
+            results = list(pool.map(lambda i: _step(env, rollouts[i]), active))
+            still = []
+            for i, (msgs, done, error) in zip(active, results, strict=True):
+                rollouts[i].add_messages(*msgs)
+                if error is not None:
+                    rollouts[i].metadata["env_error"] = error
+                    _finish(rollouts[i], "env_error")
+                elif done:
+                    _finish(rollouts[i], "env")
+                else:
+                    still.append(i)
+            active = still
+        for i in active:
+            _finish(rollouts[i], "max_turns")
+    return rollouts

@@ -1,0 +1,306 @@
+"""`ModelGenerate`: batched generation that records what was sampled.
+
+Legend: B batch (prompts x n samples), L longest prompt, N new tokens, V vocab.
+
+Every MODEL message carries the sampled `token_ids` (EOS / stop token kept),
+their `logprobs` under `softmax(logits / temperature)` *before* top-k/top-p
+truncation (the quantity a trainer recomputes), the `temperature` those
+log-probs are under, and a `finish_reason` ("stop", "length", "tool_call").
+Prompts always come from `encode_prompt`, so prompt ids + sampled ids are a
+prefix of `encode_rollout` of the extended rollout.
+
+Greedy decoding (`do_sample=False`) records log-probs at the configured
+temperature; `temperature=0` means greedy with log-probs at temperature 1.
+
+Backends share one small interface (`generate(prompt_ids, n, seed) -> [[Sample]]`,
+`logprob_temperature`, `max_context`, `push_weights`, `sleep`, `wake_up`): the HF one
+is in `model/hf_backend.py`, the vLLM one in `model/vllm.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+from SimpleTorchLLMRL.chat.tokenize import encode_prompt
+
+BACKENDS = ("auto", "hf", "vllm")
+
+
+@dataclass
+class SamplingConfig:
+    """What to sample and when to stop; validated on construction."""
+
+    max_new_tokens: int = 50
+    temperature: float = 0.7
+    do_sample: bool = True
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: tuple[str, ...] = ()
+    tool_call_stop: tuple[str, ...] = ()
+    eos_token_ids: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be None or in (0, 1], got {self.top_p!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
+            raise ValueError(f"top_k must be None or an int >= 0 (0 disables), got {self.top_k!r}")
+        self.stop = _as_strings("stop", self.stop)
+        self.tool_call_stop = _as_strings("tool_call_stop", self.tool_call_stop)
+        self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the recorded log-probs are under."""
+        return float(self.temperature) if self.temperature > 0 else 1.0
+
+    @property
+    def all_stops(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.stop + self.tool_call_stop))
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k / top-p cut the sampling distribution."""
+        return bool(self.top_k) or (self.top_p is not None and self.top_p < 1)
+
+
+def _as_strings(name: str, value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    value = tuple(value)
+    if any(not isinstance(s, str) or not s for s in value):
+        raise ValueError(f"{name} must be a string or a list of non-empty strings, got {value!r}")
+    return value
+
+
+@dataclass
+class Sample:
+    """One completion, already cut at its end."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    text: str
+
+
+# ----------------------------------------------------------------------------- end-of-sequence logic
+
+
+def stop_window(stops: Sequence[str]) -> int:
+    """Tokens to decode so that any stop string ending at the last token is visible (>= 1 byte per token)."""
+    return max(len(s.encode("utf-8")) for s in stops) + 3
+
+
+def find_stop(tokenizer, ids: Sequence[int], stops: Sequence[str], window: int) -> str | None:
+    """The stop string that the decoded tail of `ids` contains (earliest-ending wins), or None."""
+    tail = tokenizer.decode(list(ids[-window:]), skip_special_tokens=True)
+    best, best_end = None, None
+    for s in stops:
+        at = tail.find(s)
+        if at >= 0 and (best_end is None or at + len(s) < best_end):
+            best, best_end = s, at + len(s)
+    return best
+
+
+def text_through_stop(text: str, stops: Sequence[str]) -> str:
+    """`text` cut right after the earliest-ending stop string it contains."""
+    ends = [text.find(s) + len(s) for s in stops if s in text]
+    return text[: min(ends)] if ends else text
+
+
+def cut_sample(tokenizer, ids: list[int], logprobs: list[float], cfg: SamplingConfig) -> Sample:
+    """Cut a raw continuation at its first EOS id or stop string (both kept); never keep padding."""
+    eos = set(cfg.eos_token_ids)
+    stops = cfg.all_stops
+    window = stop_window(stops) if stops else 0
+    for k, tok in enumerate(ids):
+        if tok in eos:
+            return _sample(tokenizer, ids[: k + 1], logprobs[: k + 1], "stop", None)
+        hit = find_stop(tokenizer, ids[: k + 1], stops, window) if stops else None
+        if hit is not None:
+            reason = "tool_call" if hit in cfg.tool_call_stop else "stop"
+            return _sample(tokenizer, ids[: k + 1], logprobs[: k + 1], reason, stops)
+    return _sample(tokenizer, ids[: cfg.max_new_tokens], logprobs[: cfg.max_new_tokens], "length", None)
+
+
+def _sample(tokenizer, ids, logprobs, reason, stops) -> Sample:
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if stops:
+        text = text_through_stop(text, stops)
+    return Sample(list(ids), [min(0.0, float(x)) for x in logprobs], reason, text)
+
+
+def default_eos_ids(tokenizer, model=None) -> tuple[int, ...]:
+    """The tokenizer's EOS plus the model's generation-config EOS ids (int or list)."""
+    ids = []
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if gen_eos is not None:
+        ids.extend(int(t) for t in ([gen_eos] if isinstance(gen_eos, int) else gen_eos))
+    return tuple(dict.fromkeys(ids))
+
+
+# ----------------------------------------------------------------------------- the generator
+
+
+def is_vllm_llm(model) -> bool:
+    """A `vllm.LLM` (or an object with its interface), told apart without importing vllm."""
+    return not isinstance(model, torch.nn.Module) and hasattr(model, "llm_engine") and hasattr(model, "generate")
+
+
+class ModelGenerate:
+    """Generate MODEL turns for rollouts with an HF model or a `vllm.LLM`.
+
+        gen = ModelGenerate(model, tokenizer, max_new_tokens=128, temperature=0.8, stop=["</answer>"], seed=0)
+        gen.batch_rollout_generate_response(rollouts)        # appends one MODEL message to each
+        groups = gen.group_generate(rollouts, n=8)           # list[list[Message]], 8 per rollout
+
+    model: an HF causal LM (peft models too), a `vllm.LLM`, or with `backend="vllm"` a model path.
+    stop: stop strings (kept in text and ids); tool_call_stop: stop strings that end the turn with
+    finish_reason "tool_call" (e.g. "</tool_call>"). eos_token_ids: ids that end a turn (default:
+    tokenizer EOS + model generation-config EOS). seed: makes the sequence of calls reproducible.
+    batch_size: HF backend only, at most this many sequences per `generate` call (None: all at
+    once); vLLM schedules its own batches.
+    """
+
+    def __init__(self, model, tokenizer=None, max_new_tokens: int = 50, temperature: float = 0.7,
+                 do_sample: bool = True, top_p: float | None = None, top_k: int | None = None,
+                 stop: str | Sequence[str] | None = None, *, tool_call_stop: str | Sequence[str] | None = None,
+                 eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
+                 batch_size: int | None = None, backend: str = "auto", lora_request=None,
+                 vllm_kwargs: dict | None = None):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size <= 0):
+            raise ValueError(f"batch_size must be None or a positive int, got {batch_size!r}")
+        if eos_token_ids is not None and len(eos_token_ids) == 0:
+            raise ValueError("eos_token_ids must be None (tokenizer/model defaults) or a non-empty list of ids")
+        use_vllm = backend == "vllm" or (backend == "auto" and is_vllm_llm(model))
+        if not use_vllm and tokenizer is None:
+            raise ValueError("tokenizer is required for the HF backend")
+        self.config = SamplingConfig(max_new_tokens, temperature, do_sample, top_p, top_k,
+                                     _as_strings("stop", stop), _as_strings("tool_call_stop", tool_call_stop),
+                                     tuple(eos_token_ids or ()))
+        self._rng = None if seed is None else torch.Generator().manual_seed(int(seed))
+        if use_vllm:
+            from SimpleTorchLLMRL.model.vllm import VLLMBackend
+
+            self.backend = VLLMBackend(model, tokenizer, self.config, lora_request=lora_request,
+                                       vllm_kwargs=vllm_kwargs)
+            tokenizer = self.backend.tokenizer
+        else:
+            from SimpleTorchLLMRL.model.hf_backend import HFBackend
+
+            if lora_request is not None or vllm_kwargs:
+                raise ValueError("lora_request / vllm_kwargs only apply to the vLLM backend")
+            self.backend = HFBackend(model, tokenizer, self.config, batch_size)
+        self.model = getattr(self.backend, "llm", model)  # the engine when built from a model path
+        self.tokenizer = tokenizer
+        if not eos_token_ids:
+            self.config.eos_token_ids = default_eos_ids(tokenizer, getattr(self.backend, "model", None))
+
+    # -- configuration passthroughs (the seed API exposed them as attributes)
+    @property
+    def temperature(self) -> float:
+        return self.config.temperature
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.config.max_new_tokens
+
+    @property
+    def max_context(self) -> int | None:
+        """Tokens the model can attend to (prompt + generation), None when unknown."""
+        return self.backend.max_context
+
+    # -- prompts
+    def prompt_ids(self, rollouts: Sequence[Rollout]) -> list[list[int]]:
+        return [encode_prompt(r, self.tokenizer) for r in rollouts]
+
+    def fits(self, rollout: Rollout) -> bool:
+        """Whether the rollout's prompt plus `max_new_tokens` fits the model's context."""
+        ctx = self.max_context
+        return ctx is None or len(encode_prompt(rollout, self.tokenizer)) + self.max_new_tokens <= ctx
+
+    def _check_prompts(self, prompts: list[list[int]]) -> None:
+        ctx = self.max_context
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"rollout {i} encodes to an empty prompt; add a message before generating")
+            if ctx is not None and len(p) + self.max_new_tokens > ctx:
+                raise ValueError(
+                    f"rollout {i}: its prompt is {len(p)} tokens and max_new_tokens={self.max_new_tokens}, "
+                    f"over the model's context of {ctx} tokens; shorten the rollout or lower max_new_tokens"
+                )
+
+    # -- generation
+    def generate(self, rollouts: Sequence[Rollout], n: int = 1) -> list[list[Message]]:
+        """`n` sampled MODEL messages per rollout, all prompts x n in one batch. Does not append."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be a positive int, got {n!r}")
+        rollouts = list(rollouts)
+        if not rollouts:
+            return []
+        for i, r in enumerate(rollouts):
+            if not isinstance(r, Rollout):
+                raise TypeError(f"rollout {i} is a {type(r).__name__}, not a Rollout")
+        prompts = self.prompt_ids(rollouts)
+        self._check_prompts(prompts)
+        seed = None if self._rng is None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        samples = self.backend.generate(prompts, n, seed)  # len(prompts) lists of n Samples
+        return [[self._message(s) for s in group] for group in samples]
+
+    def _message(self, s: Sample) -> Message:
+        return Message(s.text, MessageType.MODEL, token_ids=s.token_ids, logprobs=s.logprobs,
+                       finish_reason=s.finish_reason, temperature=self.backend.logprob_temperature)
+
+    def rollout_generate_response(self, rollout: Rollout) -> Message:
+        """One MODEL message for `rollout` (not appended)."""
+        return self.generate([rollout])[0][0]
+
+    def batch_rollout_generate_response(self, rollouts: Sequence[Rollout]) -> None:
+        """Append one MODEL message to each rollout, generated as one batch."""
+        for r, (msg,) in zip(rollouts, self.generate(rollouts), strict=True):
+            r.add_messages(msg)
+
+    def group_generate(self, rollouts: Sequence[Rollout], n: int) -> list[list[Message]]:
+        """GRPO form: `n` completions per rollout, [rollout][sample]."""
+        return self.generate(rollouts, n)
+
+    def group_rollout_generate_response(self, rollouts: Sequence[Rollout], n: int) -> list[Rollout]:
+        """`n` copies of each rollout, each extended by its own sample, flattened rollout-major.
+
+        Copies share `metadata["group_id"]` (the rollout's own, else its index here).
+        """
+        out = []
+        for i, (r, msgs) in enumerate(zip(rollouts, self.generate(rollouts, n), strict=True)):
+            for msg in msgs:
+                c = r.copy()
+                c.metadata.setdefault("group_id", i)
+                out.append(c.add_messages(msg))
+        return out
+
+    # -- weight sync / colocation (no-ops for the HF backend, which generates with the live model)
+    def push_weights(self, model=None, mode: str = "merged") -> None:
+        """Copy a training model's weights into the inference engine (vLLM); HF: nothing to do."""
+        self.backend.push_weights(model, mode)
+
+    def sleep(self, level: int = 1) -> None:
+        self.backend.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.backend.wake_up(tags)

@@ -1,0 +1,214 @@
+"""The vLLM backend of `ModelGenerate`, and weight sync from a training model.
+
+Legend: B prompts, n samples per prompt.
+
+vllm is an optional extra, imported only when this backend is used:
+`uv sync --extra vllm` (it needs a CUDA GPU).
+
+Which log-probs vLLM returns is an engine setting, `LLM(..., logprobs_mode=...)`:
+"raw_logprobs" (the default) are log_softmax(logits) before temperature and
+top-k/top-p; "processed_logprobs" are taken after temperature *and* top-k/top-p
+(renormalized over the kept tokens). The quantity this library records is
+log_softmax(logits / T) before truncation, so:
+
+    temperature == 1                -> "raw_logprobs" is exact (any top-k/top-p)
+    no top-k/top-p truncation       -> "processed_logprobs" is exact (any temperature)
+    T != 1 together with top-k/top-p -> neither is; refused with a ValueError
+
+Greedy decoding (`do_sample=False` or temperature 0) is sent as temperature 0;
+vLLM then reports log-probs of the untempered logits, recorded as temperature 1.
+
+Weight sync (`push_weights`) calls the engine model's `load_weights`, which takes
+HF checkpoint names (built by `model/weight_sync.py`: peft prefixes stripped,
+LoRA deltas merged into new tensors, the training model never modified):
+directly when the engine runs in this process (set
+`VLLM_ENABLE_V1_MULTIPROCESSING=0` for a colocated trainer, as TRL does), else
+through the public `LLM.apply_model`, which pickles the tensors to each worker.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterable
+
+import torch
+
+from SimpleTorchLLMRL.model.generate import Sample, SamplingConfig
+
+_INSTALL_HINT = "the vLLM backend needs the optional vllm extra: run `uv sync --extra vllm` (vLLM needs a CUDA GPU)"
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+
+def import_vllm():
+    """The vllm module, or an ImportError that says how to install it."""
+    try:
+        import vllm
+        from vllm.inputs import TokensPrompt  # noqa: F401  (fail here, not mid-generation)
+    except ImportError as e:
+        raise ImportError(_INSTALL_HINT) from e
+    return vllm
+
+
+def logprobs_mode_problem(mode: str, cfg: SamplingConfig) -> str | None:
+    """Why vLLM's `logprobs_mode` cannot give log_softmax(logits / T) before truncation; None if it can."""
+    if mode not in LOGPROBS_MODES:
+        return f"logprobs_mode={mode!r} returns logits, not log-probs; use one of {LOGPROBS_MODES}"
+    if cfg.greedy:
+        return None  # greedy: vLLM applies no temperature / truncation; recorded at T = 1
+    if mode == "raw_logprobs" and cfg.temperature != 1:
+        if cfg.truncates:
+            return ("vLLM cannot report log-probs at temperature != 1 before top-k/top-p; use temperature=1 "
+                    "or drop top_k/top_p")
+        return (f"logprobs_mode='raw_logprobs' reports log-probs at temperature 1, not {cfg.temperature}; "
+                "create the engine with vllm.LLM(..., logprobs_mode='processed_logprobs')")
+    if mode == "processed_logprobs" and cfg.truncates:
+        if cfg.temperature == 1:
+            return ("logprobs_mode='processed_logprobs' renormalizes over the top-k/top-p tokens; create the "
+                    "engine with vllm.LLM(..., logprobs_mode='raw_logprobs')")
+        return ("vLLM cannot report log-probs at temperature != 1 before top-k/top-p; use temperature=1 "
+                "or drop top_k/top_p")
+    return None
+
+
+def _engine_model_config(llm):
+    for path in (("llm_engine", "model_config"), ("model_config",), ("llm_engine", "vllm_config", "model_config")):
+        obj = llm
+        for attr in path:
+            obj = getattr(obj, attr, None)
+        if obj is not None:
+            return obj
+    return None
+
+
+class VLLMBackend:
+    """`ModelGenerate`'s backend over a `vllm.LLM` (token-id prompts in, sampled ids and log-probs out)."""
+
+    def __init__(self, llm, tokenizer, cfg: SamplingConfig, lora_request=None, vllm_kwargs: dict | None = None):
+        self.vllm = import_vllm()
+        if isinstance(llm, str):  # a model path: build the engine with the log-probs mode we need
+            mode = "raw_logprobs" if cfg.greedy or cfg.temperature == 1 else "processed_logprobs"
+            llm = self.vllm.LLM(llm, **{"logprobs_mode": mode, **(vllm_kwargs or {})})
+        elif vllm_kwargs:
+            raise ValueError("vllm_kwargs only apply when ModelGenerate builds the engine from a model path")
+        self.llm, self.cfg, self.lora_request = llm, cfg, lora_request
+        self.tokenizer = tokenizer if tokenizer is not None else llm.get_tokenizer()
+        model_config = _engine_model_config(llm)
+        self.logprobs_mode = getattr(model_config, "logprobs_mode", "raw_logprobs")
+        self.max_context = getattr(model_config, "max_model_len", None)
+        problem = logprobs_mode_problem(self.logprobs_mode, cfg)
+        if problem:
+            raise ValueError(problem)
+        self._adapter_dir: str | None = None
+        self._adapter_id = 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        return 1.0 if self.cfg.greedy else float(self.cfg.temperature)
+
+    def _sampling_params(self, n: int, seed: int | None):
+        cfg = self.cfg
+        return self.vllm.SamplingParams(
+            n=n, temperature=0.0 if cfg.greedy else float(cfg.temperature),
+            top_p=1.0 if cfg.top_p is None else float(cfg.top_p), top_k=int(cfg.top_k or 0),
+            max_tokens=cfg.max_new_tokens, stop=list(cfg.all_stops) or None,
+            stop_token_ids=list(cfg.eos_token_ids) or None, include_stop_str_in_output=True,
+            logprobs=0, seed=seed, skip_special_tokens=True,
+        )
+
+    def generate(self, prompts: list[list[int]], n: int, seed: int | None) -> list[list[Sample]]:
+        from vllm.inputs import TokensPrompt
+
+        # vLLM refuses n > 1 with greedy decoding: repeat the prompt instead.
+        reps, per_request = (n, 1) if self.cfg.greedy else (1, n)
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(reps)]
+        # vLLM seeds the j-th sample of a request with seed + j: stride so no two samples share a seed
+        params = [self._sampling_params(per_request, None if seed is None else seed + i * per_request)
+                  for i in range(len(requests))]
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
+        samples = [self._sample(c) for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+        return [samples[i * n: (i + 1) * n] for i in range(len(prompts))]
+
+    def _sample(self, c) -> Sample:
+        ids = [int(t) for t in c.token_ids]
+        if c.logprobs is None or len(c.logprobs) != len(ids):
+            raise RuntimeError("vLLM returned no per-token log-probs; SamplingParams(logprobs=0) was ignored")
+        logprobs = [min(0.0, float(c.logprobs[k][tok].logprob)) for k, tok in enumerate(ids)]
+        if c.finish_reason == "stop":
+            reason = "tool_call" if c.stop_reason in self.cfg.tool_call_stop else "stop"
+        else:  # "length", or "abort": cut short either way
+            reason = "length"
+        return Sample(ids, logprobs, reason, c.text)
+
+    # -- weight sync and colocation
+    def push_weights(self, model, mode: str = "merged") -> None:
+        """mode "merged"/"full": load (merged) weights into the engine; "adapter": serve the peft adapter via LoRA."""
+        if model is None:
+            raise ValueError("push_weights needs the training model whose weights to copy")
+        if mode == "adapter":
+            self.lora_request = self._push_adapter(model)
+        elif mode in ("merged", "full"):
+            push_weights(self.llm, model)
+        else:
+            raise ValueError(f"mode must be 'merged', 'full' or 'adapter', got {mode!r}")
+
+    def _push_adapter(self, model):
+        """Save the adapter to a fresh directory and return a LoRARequest with a new id (vLLM caches by id)."""
+        from vllm.lora.request import LoRARequest
+
+        from SimpleTorchLLMRL.model.weight_sync import export_adapter
+
+        old, self._adapter_dir = self._adapter_dir, tempfile.mkdtemp(prefix="stllmrl-lora-")
+        path = export_adapter(model, self._adapter_dir)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        self._adapter_id += 1
+        return LoRARequest(f"policy-{self._adapter_id}", self._adapter_id, path)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free GPU memory for training: level 1 offloads weights to CPU, level 2 discards them."""
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate ("weights", "kv_cache", or all); after a level-2 sleep push weights before generating."""
+        self.llm.wake_up(tags=tags)
+
+
+# ----------------------------------------------------------------------------- weight sync
+
+
+def _in_process_model(llm):
+    """The engine's model when the engine runs in this process (V1 with VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    worker = getattr(getattr(getattr(llm, "llm_engine", None), "model_executor", None), "driver_worker", None)
+    worker = getattr(worker, "worker", worker)  # V1 wraps the worker; V0 does not
+    return getattr(getattr(worker, "model_runner", None), "model", None)
+
+
+def load_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load (HF name, tensor) pairs into the engine's model(s), then drop cached prefixes (stale KV).
+
+    In-process engines get them directly; otherwise they go to every worker through the public
+    `LLM.apply_model` (pickled).
+    """
+    model = _in_process_model(llm)
+    if model is not None and hasattr(model, "load_weights"):
+        model.load_weights(weights=weights)
+    else:
+        materialized = list(weights)
+        llm.apply_model(lambda m: m.load_weights(weights=materialized))
+    if hasattr(llm, "reset_prefix_cache"):
+        llm.reset_prefix_cache()
+
+
+def push_weights(llm, model) -> None:
+    """Copy an HF or peft model's weights into a `vllm.LLM`.
+
+    `weight_sync.vllm_weights` gives the base checkpoint names with any LoRA delta merged into new
+    tensors (the training model is never modified; FSDP2 is gathered to rank 0, where the other
+    ranks get nothing to load; a 4-bit base is refused: push the adapter instead).
+    """
+    from SimpleTorchLLMRL.model.weight_sync import vllm_weights
+
+    weights = vllm_weights(model)
+    if weights:
+        load_weights(llm, weights.items())
