@@ -1,1 +1,24 @@
-"""env."""
+"""Environments: the `Env` protocol, QA / tool-use / code envs, triggers, and `collect_rollouts`."""
+
+from SimpleTorchLLMRL.env.base import Env, SingleTurnEnv
+from SimpleTorchLLMRL.env.code import CodeEnv
+from SimpleTorchLLMRL.env.QASolve import QASolverEnv
+from SimpleTorchLLMRL.env.rollouts import collect_rollouts
+from SimpleTorchLLMRL.env.ToolQASolve import ToolEpisode, ToolUseEnv
+from SimpleTorchLLMRL.env.triggers import CodeTrigger, NoneTrigger, Trigger, TriggerEnv, TriggerEpisode
+
+__all__ = [
+    "CodeEnv",
+    "CodeTrigger",
+    "Env",
+    "NoneTrigger",
+    "QASolverEnv",
+    "SingleTurnEnv",
+    "ToolEpisode",
+    "ToolUseEnv",
+    "Trigger",
+    "TriggerEnv",
+    "TriggerEpisode",
+    "collect_rollouts",
+]
+
