@@ -1,0 +1,378 @@
+"""Per-token log-probs and entropy of the next token, computed in chunks.
+
+Legend: B batch, T tokens, H hidden size, V vocab, N selected positions, n chunk.
+
+Per-token tensors are (B, T) and ALIGNED WITH input_ids:
+`logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`; column 0 is 0 (nothing
+predicts the first token), so they line up with `loss_mask` and `old_logprobs`.
+
+A full (B, T, V) float32 log-softmax is never built. The model runs once to
+its final hidden states (`output_hidden_states=True, logits_to_keep=1`, so the
+model's own head only scores the last position), then the output embedding
+scores chunks of `chunk_size` positions at a time:
+
+- plain `nn.Linear` head: a custom autograd function keeps only the hidden
+  states; backward recomputes one chunk of logits at a time. When the head's
+  weight is frozen (LoRA) the per-token Jacobian d logp / d h (N, H) is built
+  in the forward pass, so backward costs no extra matmul.
+- `fused_token_loss`: when the loss is a sum of per-token terms whose only
+  variable is logp (GRPO at token level), the gradient is known as soon as a
+  chunk is scored, so it is chained into the hidden-state / weight gradients
+  right away: three matmuls in all, like the naive path, one chunk in memory.
+- any other head (peft-wrapped, quantized, soft-capped logits): each chunk runs
+  under `torch.utils.checkpoint`, so backward keeps one chunk's logits at a time.
+
+Entropy is a diagnostic: it is returned detached.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_CHUNK_SIZE = 512
+ROWS = 64  # row block for the softmax sums inside a chunk
+_VERIFIED: weakref.WeakSet = weakref.WeakSet()  # models whose head was checked once
+
+
+class TokenLogProbs(NamedTuple):
+    """What `token_logprobs` returns when asked for more than the log-probs. All (B, T) but hidden."""
+
+    logprobs: torch.Tensor  # (B, T) float32
+    entropy: torch.Tensor | None  # (B, T) float32, detached
+    hidden_states: torch.Tensor | None  # (B, T, H) final hidden states (after the final norm)
+
+
+def _unwrap(model):
+    """DDP / torch.compile wrappers -> the module that has `config` and the output embedding."""
+    while hasattr(model, "module") and not hasattr(model, "get_output_embeddings"):
+        model = model.module
+    return getattr(model, "_orig_mod", model)
+
+
+def output_head(model) -> nn.Module:
+    """The output embedding (lm_head) of a causal LM, peft-wrapped or not."""
+    head = _unwrap(model).get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output embedding (get_output_embeddings() is None)")
+    return head
+
+
+def logit_softcap(model) -> float | None:
+    """`final_logit_softcapping` of Gemma-2-style configs, else None."""
+    config = getattr(_unwrap(model), "config", None)
+    cap = getattr(config, "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                        verify: bool = True) -> torch.Tensor:
+    """(B, T, H) hidden states that the model's output embedding turns into logits.
+
+    One forward through the whole model (so DDP / FSDP / peft hooks run) with
+    `logits_to_keep=1`: the model's own head scores only the last position,
+    which also lets us check once per model that `head(hidden_states[-1])`
+    really are its logits (a model that post-processes logits otherwise
+    raises instead of silently giving wrong log-probs).
+    """
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    try:
+        out = model(**kwargs, logits_to_keep=1)
+    except TypeError:  # a model without logits_to_keep: pays for its full logits once
+        out = model(**kwargs)
+    hidden = out.hidden_states[-1] if getattr(out, "hidden_states", None) is not None else out.last_hidden_state
+    logits = getattr(out, "logits", None)
+    if verify and logits is not None and _unwrap(model) not in _VERIFIED:
+        _verify_head(model, hidden, logits)
+    return hidden
+
+
+def _verify_head(model, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+    with torch.no_grad():
+        mine = _head_logits(output_head(model), hidden[:, -1:], logit_softcap(model))  # (B, 1, V)
+        theirs = logits[:, -1:].float()
+        tol = 1e-4 if theirs.dtype == torch.float32 and hidden.dtype == torch.float32 else 5e-2
+        if mine.shape != theirs.shape or not torch.allclose(mine, theirs, atol=tol * (1 + theirs.abs().max()), rtol=0):
+            raise ValueError(
+                f"{type(model).__name__}: output_embeddings(hidden_states[-1]) does not reproduce the model's "
+                "logits (it post-processes them in a way token_logprobs does not know); chunked log-probs "
+                "would be wrong for this model"
+            )
+    _VERIFIED.add(_unwrap(model))
+
+
+def _head_logits(head: nn.Module, h: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """(..., H) -> (..., V) float32 logits, soft-capped like the model does."""
+    z = head(h).float()
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    return z
+
+
+class _LinearChunks:
+    """A plain-Linear head scored chunk by chunk: logits in float32 / temperature, softmax stats, grads."""
+
+    def __init__(self, weight, bias, inv_temp: float, upcast: bool, need=(False, False, False), like=None):
+        self.W = weight.float() if upcast else weight
+        self.b = None if bias is None else bias.to(self.W.dtype)
+        self.inv_temp = inv_temp
+        need_h, need_w, need_b = need
+        self.grad_h = torch.zeros_like(like) if need_h else None  # (N, H)
+        self.grad_w = torch.zeros(self.W.shape, dtype=torch.float32, device=self.W.device) if need_w else None
+        self.grad_b = torch.zeros(self.W.shape[0], dtype=torch.float32, device=self.W.device) if need_b else None
+
+    def score(self, hc: torch.Tensor, yc: torch.Tensor, probs: bool, entropy: bool):
+        """hc (n, H), yc (n,) -> logp (n,), entropy (n,) | None, softmax p (n, V) | None.
+
+        One (n, V) float32 buffer: the logits, turned into p in place; the
+        row-wise sums use (ROWS, V) temporaries.
+        """
+        z = F.linear(hc.to(self.W.dtype), self.W, self.b).float().mul_(self.inv_temp)  # (n, V)
+        logit_y = z.gather(1, yc[:, None]).squeeze(1)  # (n,)
+        m = z.amax(dim=-1)  # (n,)
+        total = torch.empty_like(m)  # sum_v exp(z - m)
+        ent = torch.empty_like(m) if entropy else None
+        for blk in _chunks(z.shape[0], ROWS):
+            zb = z[blk] - m[blk, None]  # (ROWS, V)
+            eb = torch.exp(zb)
+            total[blk] = eb.sum(-1)
+            if entropy:  # H = log S - sum_v e_v (z_v - m) / S
+                ent[blk] = total[blk].log() - torch.bmm(eb.unsqueeze(1), zb.unsqueeze(2)).view(-1) / total[blk]
+            del zb, eb
+        lse = m + total.log()
+        p = z.sub_(lse[:, None]).exp_() if probs else None
+        return logit_y - lse, ent, p
+
+    def dlogp_dlogits(self, p: torch.Tensor, yc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Consumes p: scale * d logp / d z = scale * (onehot(y) - p), times 1/temperature, (n, V)."""
+        ones = torch.ones_like(scale)[:, None]
+        return p.neg_().scatter_add_(1, yc[:, None], ones).mul_(scale[:, None] * self.inv_temp)
+
+    def accumulate(self, g: torch.Tensor, hc: torch.Tensor, sl: slice) -> None:
+        """Chain g = dL/dz (n, V) into the hidden-state, weight and bias gradients."""
+        if self.grad_h is not None:
+            self.grad_h[sl] = (g.to(self.W.dtype) @ self.W).to(self.grad_h.dtype)
+        if self.grad_w is not None:
+            self.grad_w.addmm_(g.t(), hc.float())
+        if self.grad_b is not None:
+            self.grad_b += g.sum(0)
+
+    def grads(self, weight, bias, scale=None):
+        """(grad_h, grad_w, grad_b) in the parameters' dtypes, optionally times a scalar."""
+        out = []
+        for g, like in ((self.grad_h, None), (self.grad_w, weight), (self.grad_b, bias)):
+            if g is not None and scale is not None:
+                g = g.mul_(scale)
+            out.append(g if g is None or like is None else g.to(like.dtype))
+        return tuple(out)
+
+
+def _chunks(n: int, size: int):
+    return [slice(s, s + size) for s in range(0, n, size)]
+
+
+class _LinearLogProb(torch.autograd.Function):
+    """logp, entropy of targets under softmax((h W^T + b) / temperature), chunk by chunk.
+
+    Backward recomputes one chunk of logits at a time. With `jacobian` (frozen
+    head) the forward stores d logp / d h (N, H) instead, so backward is a product.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, y, inv_temp, chunk_size, upcast, jacobian):
+        # h (N, H), weight (V, H), bias (V,) | None, y (N,)
+        head = _LinearChunks(weight, bias, inv_temp, upcast, need=(jacobian, False, False), like=h.float())
+        N = h.shape[0]
+        logp = torch.empty(N, dtype=torch.float32, device=h.device)
+        ent = torch.empty(N, dtype=torch.float32, device=h.device)
+        for sl in _chunks(N, chunk_size):
+            hc, yc = h[sl], y[sl]
+            logp[sl], ent[sl], p = head.score(hc, yc, probs=jacobian, entropy=True)
+            if jacobian:
+                head.accumulate(head.dlogp_dlogits(p, yc, torch.ones_like(logp[sl])), hc, sl)
+            del p
+        ctx.save_for_backward(h, weight, bias, y, head.grad_h)
+        ctx.inv_temp, ctx.chunk_size, ctx.upcast = inv_temp, chunk_size, upcast
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_ent):
+        h, weight, bias, y, jac = ctx.saved_tensors
+        need = tuple(ctx.needs_input_grad[:3])
+        nones = (None,) * 5
+        if jac is not None and not (need[1] or need[2]):
+            return (grad_logp[:, None] * jac).to(h.dtype), None, None, *nones
+        head = _LinearChunks(weight, bias, ctx.inv_temp, ctx.upcast, need=need, like=h)
+        for sl in _chunks(h.shape[0], ctx.chunk_size):
+            _, _, p = head.score(h[sl], y[sl], probs=True, entropy=False)
+            head.accumulate(head.dlogp_dlogits(p, y[sl], grad_logp[sl].float()), h[sl], sl)
+        return *head.grads(weight, bias), None, *nones[:4]
+
+
+class _FusedTokenLoss(torch.autograd.Function):
+    """sum_i token_loss(logp_i): gradients are computed chunk by chunk in the forward pass.
+
+    Possible because every input of the per-token loss except logp itself is a
+    constant, so dL/dlogp is known as soon as a chunk's logp is: three matmuls
+    in all (like the naive path) and one chunk of logits in memory.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, y, token_loss, inv_temp, chunk_size, upcast, need):
+        head = _LinearChunks(weight, bias, inv_temp, upcast, need=need, like=h)
+        N = h.shape[0]
+        logp = torch.empty(N, dtype=torch.float32, device=h.device)
+        ent = torch.empty(N, dtype=torch.float32, device=h.device)
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for sl in _chunks(N, chunk_size):
+            hc, yc = h[sl], y[sl]
+            lp, ent[sl], p = head.score(hc, yc, probs=True, entropy=True)
+            logp[sl] = lp
+            with torch.enable_grad():
+                leaf = lp.detach().requires_grad_()
+                loss = token_loss(leaf, sl).sum()
+                dl = torch.autograd.grad(loss, leaf)[0] if any(need) and loss.requires_grad else None
+            total += loss.detach().float()
+            if dl is not None:
+                head.accumulate(head.dlogp_dlogits(p, yc, dl.float()), hc, sl)
+            del p
+        ctx.head = head
+        ctx.params = (weight, bias)
+        ctx.mark_non_differentiable(logp, ent)
+        return total, logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_logp, _grad_ent):
+        grads = ctx.head.grads(*ctx.params, scale=None if float(grad_total) == 1.0 else grad_total)
+        del ctx.head
+        return *grads, None, None, None, None, None, None
+
+
+def _generic_chunk(head, softcap, inv_temp):
+    def run(hc, yc):
+        z = _head_logits(head, hc, softcap) * inv_temp  # (n, V)
+        lse = torch.logsumexp(z, dim=-1)
+        logp = z.gather(1, yc[:, None]).squeeze(1) - lse
+        with torch.no_grad():
+            logsm = z - lse[:, None]
+            ent = -torch.bmm(logsm.exp().unsqueeze(1), logsm.unsqueeze(2)).view(-1)
+        return logp, ent
+
+    return run
+
+
+def supports_fused(head: nn.Module, softcap: float | None = None) -> bool:
+    """True for a plain `nn.Linear` head without logit soft-capping (the custom autograd paths)."""
+    return type(head) is nn.Linear and type(head.weight.data) is torch.Tensor and not softcap
+
+
+def _check(temperature: float, chunk_size: int) -> float:
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return 1.0 / float(temperature)
+
+
+def logprobs_from_hidden(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, *,
+                         temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                         softcap: float | None = None, upcast: bool = False, fused: bool | None = None):
+    """Chunked log-prob and entropy of `targets` given the hidden states that predict them.
+
+    hidden (N, H), targets (N,) -> (logp (N,) float32, entropy (N,) float32 detached).
+    `upcast` runs the head's matmul in float32 (plain Linear heads only; logits
+    and the log-softmax are always float32). `fused=None` picks the custom
+    autograd path for a plain `nn.Linear` head, checkpointed chunks otherwise.
+    """
+    inv_temp = _check(temperature, chunk_size)
+    grad = torch.is_grad_enabled()
+    if fused is None:
+        fused = supports_fused(head, softcap)
+    if fused:
+        frozen = not head.weight.requires_grad and not (head.bias is not None and head.bias.requires_grad)
+        jacobian = grad and hidden.requires_grad and frozen
+        return _LinearLogProb.apply(hidden, head.weight, head.bias, targets, inv_temp, chunk_size, upcast, jacobian)
+    run = _generic_chunk(head, softcap, inv_temp)
+    outs = [checkpoint(run, hidden[sl], targets[sl], use_reentrant=False) if grad else run(hidden[sl], targets[sl])
+            for sl in _chunks(hidden.shape[0], chunk_size)]
+    if not outs:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
+def fused_token_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, token_loss, *,
+                     temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE, upcast: bool = False):
+    """sum_i token_loss(logp, sl)_i with the backward work done chunk by chunk during the forward.
+
+    hidden (N, H), targets (N,). `token_loss(logp (n,), sl)` returns the (n,)
+    per-token loss of the tokens `sl` (a slice into 0..N); it may depend on
+    logp only through elementwise ops, everything else it reads must be a
+    constant (advantages, old / reference log-probs, weights). Returns
+    (loss scalar with grad, logp (N,) detached, entropy (N,) detached).
+    Needs a plain `nn.Linear` head (see `supports_fused`).
+    """
+    inv_temp = _check(temperature, chunk_size)
+    if not supports_fused(head):
+        raise ValueError(f"fused_token_loss needs a plain nn.Linear output head, got {type(head).__name__}")
+    grad = torch.is_grad_enabled()
+    bias = head.bias
+    need = (grad and hidden.requires_grad, grad and head.weight.requires_grad,
+            grad and bias is not None and bias.requires_grad)
+    return _FusedTokenLoss.apply(hidden, head.weight, bias, targets, token_loss, inv_temp, chunk_size, upcast, need)
+
+
+def scatter_positions(values: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
+    """Put N per-position values back into a (B, T) tensor aligned with input_ids.
+
+    values (N,), select (B, T-1) bool (position t+1 predicted from t) -> (B, T), zeros elsewhere.
+    """
+    B = select.shape[0]
+    body = torch.zeros(select.shape, dtype=values.dtype, device=values.device).masked_scatter(select, values)
+    return torch.cat([body.new_zeros(B, 1), body], dim=1)
+
+
+def logprobs_at(hidden: torch.Tensor, model, input_ids: torch.Tensor, positions: torch.Tensor, *,
+                temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE, upcast: bool = False,
+                fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) log-probs and entropy of input_ids from hidden (B, T, H), only where `positions` (B, T) is set.
+
+    Column 0 and unset positions are 0.
+    """
+    select = positions[:, 1:].bool()  # (B, T-1): token t+1 ...
+    h = hidden[:, :-1][select]  # (N, H) ... is predicted from position t
+    y = input_ids[:, 1:][select]  # (N,)
+    lp, ent = logprobs_from_hidden(h, output_head(model), y, temperature=temperature, chunk_size=chunk_size,
+                                   softcap=logit_softcap(model), upcast=upcast, fused=fused)
+    return scatter_positions(lp, select), scatter_positions(ent, select)
+
+
+def token_logprobs(model, batch, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                   return_entropy: bool = False, *, positions: torch.Tensor | None = None,
+                   return_hidden: bool = False, upcast: bool = False, fused: bool | None = None):
+    """Per-token log-probs of `batch.input_ids` under `model` at `temperature`, (B, T).
+
+    batch: a `Batch` (or anything with `input_ids` and `attention_mask`).
+    positions: (B, T) 0/1, which tokens to score (default: attention_mask;
+    pass `loss_mask` to skip prompts entirely). Unscored positions and column 0 are 0.
+    Returns the (B, T) tensor, or a `TokenLogProbs(logprobs, entropy, hidden_states)`
+    when `return_entropy` or `return_hidden` is set (the hidden states come from
+    the same forward, e.g. for a value head).
+    """
+    input_ids, attention_mask = batch.input_ids, batch.attention_mask
+    if positions is None:
+        positions = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    if positions.shape != input_ids.shape:
+        raise ValueError(f"positions has shape {tuple(positions.shape)}, input_ids {tuple(input_ids.shape)}")
+    hidden = final_hidden_states(model, input_ids, attention_mask)  # (B, T, H)
+    logp, ent = logprobs_at(hidden, model, input_ids, positions, temperature=temperature,
+                            chunk_size=chunk_size, upcast=upcast, fused=fused)
+    if not (return_entropy or return_hidden):
+        return logp
+    return TokenLogProbs(logp, ent if return_entropy else None, hidden if return_hidden else None)

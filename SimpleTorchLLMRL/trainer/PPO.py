@@ -1,0 +1,203 @@
+"""PPO with a value head (or a separate critic), per-token KL-shaped rewards and GAE.
+
+Legend: B rollouts, T tokens, H hidden size. Per-token tensors are (B, T),
+aligned with input_ids: `values[:, t]` is the value of the state that emits
+token t (read from the hidden state at t - 1), column 0 is 0.
+
+    ppo = PPO(model, tokenizer, vf_coef=0.1, beta=0.05, ref_model=ref)
+    optimizer = torch.optim.AdamW([*model.parameters(), *ppo.value_parameters()], lr=1e-5)
+    loss = ppo.calculate_loss(rollouts, rewards)       # policy loss + vf_coef * value loss
+    loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+The value head reads the policy's final hidden states from the same forward
+that gives the chunked log-probs (no second pass). `prepare` + `split` work as
+for GRPO for several epochs / micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import nn
+
+from SimpleTorchLLMRL.chat.message import Rollout
+from SimpleTorchLLMRL.model.logprobs import DEFAULT_CHUNK_SIZE, final_hidden_states, logprobs_at
+from SimpleTorchLLMRL.trainer import advantages as A
+from SimpleTorchLLMRL.trainer.losses import KL_ESTIMATORS, Clip, clipped_surrogate, token_mean, value_loss
+from SimpleTorchLLMRL.trainer.rollout_batch import (
+    RolloutTrainer,
+    TrainBatch,
+    check_rewards,
+    model_device,
+    old_and_tis,
+    trained_mask,
+)
+
+
+@dataclass
+class PPOConfig:
+    """PPO options; each is also a keyword argument of `PPO`.
+
+    eps / eps_high / dual_clip: policy ratio clip. vf_coef: weight of the value loss.
+    gamma, lam: GAE. cliprange_value: value clip around the old values (None: off).
+    beta: per-token KL penalty in the reward (kl_estimator, default k1); 0 skips the reference.
+    whiten_advantages: normalize advantages over the batch's trained tokens.
+    """
+
+    eps: float = 0.2
+    eps_high: float | None = None
+    dual_clip: float | None = None
+    vf_coef: float = 0.1
+    gamma: float = 1.0
+    lam: float = 0.95
+    cliprange_value: float | None = 0.2
+    beta: float = 0.0
+    kl_estimator: str = "k1"
+    whiten_advantages: bool = True
+    temperature: float = 1.0
+    tis_cap: float | None = None
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    max_length: int | None = None
+    truncate: bool = False
+
+    def __post_init__(self):
+        checks = [
+            ("vf_coef", self.vf_coef >= 0, ">= 0"), ("gamma", 0 <= self.gamma <= 1, "in [0, 1]"),
+            ("lam", 0 <= self.lam <= 1, "in [0, 1]"), ("beta", self.beta >= 0, ">= 0"),
+            ("cliprange_value", self.cliprange_value is None or self.cliprange_value > 0, "None or > 0"),
+            ("kl_estimator", self.kl_estimator in KL_ESTIMATORS, f"one of {sorted(KL_ESTIMATORS)}"),
+            ("temperature", self.temperature > 0, "> 0"), ("chunk_size", self.chunk_size >= 1, "an int >= 1"),
+            ("tis_cap", self.tis_cap is None or self.tis_cap > 0, "None or > 0"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"PPO {name}={getattr(self, name)!r} is invalid; expected {allowed}")
+        self.clip = Clip(self.eps, self.eps if self.eps_high is None else self.eps_high, self.dual_clip)
+
+
+def hidden_size(model) -> int:
+    config = getattr(model, "config", None)
+    size = getattr(config, "hidden_size", None)
+    if size is None:
+        raise ValueError(f"cannot read hidden_size from {type(model).__name__}.config; pass value_head=")
+    return int(size)
+
+
+class PPO(RolloutTrainer):
+    """Actor-critic PPO over `Rollout`s; `calculate_loss` returns policy + vf_coef * value loss."""
+
+    name = "PPO"
+
+    def __init__(self, model, tokenizer, value_head: nn.Module | None = None, critic=None, ref_model=None,
+                 **options):
+        allowed = {f.name for f in fields(PPOConfig)}
+        unknown = sorted(set(options) - allowed)
+        if unknown:
+            raise ValueError(f"PPO got unknown options {unknown}; allowed: {sorted(allowed)}")
+        super().__init__(model, tokenizer, PPOConfig(**options), ref_model)
+        self.critic = critic
+        if value_head is None:
+            value_head = nn.Linear(hidden_size(critic if critic is not None else model), 1)
+            nn.init.normal_(value_head.weight, std=0.02)
+            nn.init.zeros_(value_head.bias)
+            value_head.to(model_device(critic if critic is not None else model))
+        self.value_head = value_head
+
+    def value_parameters(self) -> list[nn.Parameter]:
+        """Parameters of the value head (and the critic, if any): add them to the optimizer."""
+        params = list(self.value_head.parameters())
+        if self.critic is not None:
+            params += [p for p in self.critic.parameters() if p.requires_grad]
+        return params
+
+    def values(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) final hidden states -> (B, T) values aligned with input_ids (column 0 is 0)."""
+        head_dtype = next(self.value_head.parameters()).dtype
+        v = self.value_head(hidden[:, :-1].to(head_dtype)).squeeze(-1).float()  # (B, T-1)
+        return torch.cat([v.new_zeros(v.shape[0], 1), v], dim=1)
+
+    def _forward(self, tb_batch, mask, temperature):
+        """One policy forward -> (logp, entropy, values), all (B, T)."""
+        hidden = final_hidden_states(self.model, tb_batch.input_ids, tb_batch.attention_mask)
+        logp, ent = logprobs_at(hidden, self.model, tb_batch.input_ids, mask, temperature=temperature,
+                                chunk_size=self.config.chunk_size)
+        if self.critic is not None:
+            hidden = final_hidden_states(self.critic, tb_batch.input_ids, tb_batch.attention_mask)
+        return logp, ent, self.values(hidden) * mask.to(torch.float32)
+
+    def token_rewards(self, tb: TrainBatch, old_logp: torch.Tensor) -> torch.Tensor:
+        """Terminal reward on the last trained token minus beta * KL(old || ref) on every trained token, (B, T)."""
+        r = A.terminal_token_rewards(tb.rewards, tb.mask)
+        if self.config.beta > 0:
+            kl = KL_ESTIMATORS[self.config.kl_estimator](old_logp, tb.ref_logprobs)
+            r = r - self.config.beta * kl * tb.mask.to(r.dtype)
+        return r
+
+    def _advantages(self, tb: TrainBatch, old_logp: torch.Tensor, old_values: torch.Tensor):
+        rewards = self.token_rewards(tb, old_logp)
+        adv, returns = A.gae(rewards, old_values, tb.mask, self.config.gamma, self.config.lam)
+        if self.config.whiten_advantages:
+            adv = A.whiten(adv, tb.mask)
+        return adv, returns
+
+    def prepare(self, rollouts: list[Rollout], rewards, compute_old: bool = True) -> TrainBatch:
+        """Encode; with compute_old, run the policy once without grad for old log-probs, values and GAE."""
+        r = check_rewards(rewards, len(rollouts))
+        batch = self.encode(rollouts)
+        mask = trained_mask(batch)
+        temperature = self.resolve_temperature(batch)
+        tb = TrainBatch(batch, mask, r.to(batch.input_ids.device), temperature, float(mask.sum()),
+                        ref_logprobs=self.reference_logprobs(batch, mask, temperature),
+                        metrics={"reward_mean": r.mean().item(), "reward_std": r.std().item() if len(r) > 1 else 0.0})
+        if compute_old:
+            with torch.no_grad():
+                logp, _, values = self._forward(batch, mask, temperature)
+            old, _ = old_and_tis(logp, batch.old_logprobs, mask, self.config.tis_cap)
+            tb.old_logprobs, tb.old_values = logp, values
+            tb.advantages, tb.returns = self._advantages(tb, old, values)
+        return tb
+
+    def calculate_loss(self, rollouts, rewards=None, normalizer: float | None = None) -> torch.Tensor:
+        """policy loss + vf_coef * value loss over `rollouts` (or a prepared `TrainBatch`), token-mean.
+
+        normalizer: the full batch's trained-token count when you micro-batch yourself.
+        """
+        if isinstance(rollouts, TrainBatch):
+            if rewards is not None:
+                raise ValueError("calculate_loss(prepared_batch) takes no rewards: they are in the prepared batch")
+            tb = rollouts
+        else:
+            if rewards is None:
+                raise ValueError("calculate_loss(rollouts, rewards) needs one reward per rollout")
+            tb = self.prepare(rollouts, rewards, compute_old=False)
+        return self.loss(tb, normalizer)
+
+    def loss(self, tb: TrainBatch, normalizer: float | None = None) -> torch.Tensor:
+        cfg, mask = self.config, tb.mask
+        logp, ent, values = self._forward(tb.batch, mask, tb.temperature)
+        trainer_old = tb.old_logprobs if tb.old_logprobs is not None else logp.detach()
+        old, tis = old_and_tis(trainer_old, tb.batch.old_logprobs, mask, cfg.tis_cap)
+        old_values = tb.old_values if tb.old_values is not None else values.detach()
+        adv, returns = (tb.advantages, tb.returns) if tb.advantages is not None else self._advantages(
+            tb, old, old_values)
+        per_token, clip_stats = clipped_surrogate(logp - old, logp, adv, cfg.clip)
+        if tis is not None:
+            per_token = per_token * tis
+        norm = normalizer if normalizer is not None else tb.normalizer
+        policy_loss = token_mean(per_token, mask, norm)
+        vf_loss = token_mean(value_loss(values, old_values, returns, cfg.cliprange_value), mask, norm)
+        loss = policy_loss + cfg.vf_coef * vf_loss
+        with torch.no_grad():
+            m = mask.bool()
+            mean = lambda x: x[m].float().mean().item()  # noqa: E731
+            self.metrics = dict(tb.metrics, loss=loss.item(), policy_loss=policy_loss.item(),
+                                value_loss=vf_loss.item(), entropy=mean(ent), value_mean=mean(values),
+                                return_mean=mean(returns), advantage_mean=mean(adv),
+                                clip_frac_low=mean(clip_stats["clipped_low"]),
+                                clip_frac_high=mean(clip_stats["clipped_high"]),
+                                ratio_mean=mean(torch.exp(logp - old)), num_tokens=int(m.sum()),
+                                num_sequences=len(tb), temperature=tb.temperature)
+            if tb.ref_logprobs is not None:
+                self.metrics["kl"] = mean(KL_ESTIMATORS[cfg.kl_estimator](logp, tb.ref_logprobs))
+        return loss
