@@ -128,6 +128,7 @@ def test_positions_and_param_gradients_match_naive(qwen2_model, chatml_tokenizer
         torch.testing.assert_close(mine[n], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
 
 
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
 def test_peft_model_and_lora_on_lm_head(chatml_tokenizer):
     peft = pytest.importorskip("peft")
     tok = chatml_tokenizer
