@@ -46,6 +46,13 @@ def naive_logprobs(model, batch, temperature: float = 1.0, entropy: bool = False
     return lp, torch.cat([ent.new_zeros(ent.shape[0], 1), ent], dim=1)
 
 
+def trained_positions(batch):
+    """loss_mask without column 0 (no prediction there): what the trainers actually train, (B, T)."""
+    m = batch.loss_mask.clone()
+    m[:, 0] = 0
+    return m
+
+
 def batch_of(rollouts, tokenizer):
     return rollouts_to_batch(rollouts, tokenizer)
 

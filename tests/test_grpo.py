@@ -12,6 +12,7 @@ from losses_helpers import (
     make_rollouts,
     multi_turn_rollout,
     naive_logprobs,
+    trained_positions,
     with_sampled_logprobs,
 )
 
@@ -20,12 +21,6 @@ from SimpleTorchLLMRL.tiny import tiny_model
 from SimpleTorchLLMRL.trainer.GRPO import GRPO, TrainBatch
 
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 2.0])
-
-
-def _mask(batch):
-    m = batch.loss_mask.clone()
-    m[:, 0] = 0
-    return m
 
 
 def _naive_adv(rewards, group_size, eps=1e-4, scale=True):
@@ -66,7 +61,7 @@ def test_on_policy_gradient_is_advantage_weighted_logprob_gradient(qwen2_model, 
     mine = grads(model)
     model.zero_grad()
     batch, A = batch_of(rollouts, tok), _naive_adv(REWARDS, 3)
-    lp, m = naive_logprobs(model, batch), _mask(batch).double()
+    lp, m = naive_logprobs(model, batch), trained_positions(batch).double()
     ref = -(A * (lp * m).sum(1) / m.sum(1)).mean()  # -mean_i A_i mean_t log pi(o_it)
     ref.backward()
     assert_grads_close(mine, grads(model))
@@ -95,7 +90,7 @@ def test_off_policy_loss_and_gradient_match_naive(loss_type, fused, qwen2_model,
         ref_lp = naive_logprobs(ref_model, batch)
     lp = naive_logprobs(model, batch)
     hi = 0.28 if loss_type == "dapo" else 0.2
-    naive = _naive_loss(lp, batch.old_logprobs, _naive_adv(REWARDS, 3), _mask(batch), loss_type, hi=hi,
+    naive = _naive_loss(lp, batch.old_logprobs, _naive_adv(REWARDS, 3), trained_positions(batch), loss_type, hi=hi,
                         beta=0.1, ref=ref_lp, max_tokens=40)
     naive.backward()
     torch.testing.assert_close(loss.double(), naive, rtol=1e-4, atol=1e-6)
@@ -148,7 +143,7 @@ def test_zero_gradient_on_untrained_tokens(qwen2_model, chatml_tokenizer):
     finally:
         hook.remove()
     g = captured["h"].grad.abs().sum(-1)  # (B, T)
-    m = _mask(batch_of(rollouts, tok))
+    m = trained_positions(batch_of(rollouts, tok))
     assert torch.all(g[:, :-1][m[:, 1:] == 0] == 0)
     assert torch.all(g[:, :-1][m[:, 1:] == 1] > 0)
     assert torch.all(g[:, -1] == 0)
@@ -243,7 +238,7 @@ def test_truncated_importance_sampling(qwen2_model, chatml_tokenizer):
     batch = batch_of(rollouts, tok)
     with torch.no_grad():
         lp = naive_logprobs(model, batch)
-    m = _mask(batch).bool()
+    m = trained_positions(batch).bool()
     w = torch.where(m, torch.exp(lp - batch.old_logprobs.double()).clamp(max=1.2), 0.0)
     A = _naive_adv(REWARDS[:3], 3)
     naive = -(A * (w * m).sum(1) / m.sum(1)).mean()  # ratio is 1 (trainer's own old log-probs), TIS reweights
@@ -272,7 +267,7 @@ def test_peft_reference_is_the_model_without_adapter(chatml_tokenizer):
     grpo = GRPO(pm, tok, beta=0.2)
     prepared = grpo.prepare(rollouts, [1.0, 0.0])
     batch = batch_of(rollouts, tok)
-    m = _mask(batch)
+    m = trained_positions(batch)
     with torch.no_grad():
         expect = naive_logprobs(base_copy, batch) * m
         policy = naive_logprobs(pm, batch) * m

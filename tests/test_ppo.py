@@ -11,6 +11,7 @@ from losses_helpers import (
     make_rollouts,
     multi_turn_rollout,
     naive_logprobs,
+    trained_positions,
 )
 
 from SimpleTorchLLMRL.tiny import tiny_model
@@ -18,12 +19,6 @@ from SimpleTorchLLMRL.trainer import advantages as A
 from SimpleTorchLLMRL.trainer.PPO import PPO
 
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 2.0])
-
-
-def _mask(batch):
-    m = batch.loss_mask.clone()
-    m[:, 0] = 0
-    return m
 
 
 def _hidden(model, batch):
@@ -57,7 +52,7 @@ def test_prepared_targets_match_naive_gae_and_values_align(qwen2_model, chatml_t
     ppo = PPO(model, tok, beta=0.1, ref_model=ref_model, gamma=0.9, lam=0.8, whiten_advantages=False)
     prepared = ppo.prepare(rollouts, r)
     batch = batch_of(rollouts, tok)
-    m = _mask(batch)
+    m = trained_positions(batch)
     with torch.no_grad():
         h = _hidden(model, batch)
         v = torch.cat([torch.zeros(3, 1), ppo.value_head(h[:, :-1]).squeeze(-1)], 1) * m  # value of the state emitting t
@@ -81,7 +76,7 @@ def test_loss_and_gradient_match_naive(qwen2_model, chatml_tokenizer):
     model.zero_grad()
     ppo.value_head.zero_grad()
     batch = batch_of(rollouts, tok)
-    m = _mask(batch).double()
+    m = trained_positions(batch).double()
     lp = naive_logprobs(model, batch)
     h = _hidden(model, batch).double()
     W, b = ppo.value_head.weight.double(), ppo.value_head.bias.double()

@@ -212,30 +212,17 @@ class GRPO(RolloutTrainer):
                           old_logprobs=old, ref_logprobs=self.reference_logprobs(batch, mask, temperature),
                           metrics=metrics)
 
-    def calculate_loss(self, rollouts, rewards=None, normalizer: float | None = None) -> torch.Tensor:
-        """Scalar loss over `rollouts` (or a prepared `TrainBatch`); diagnostics land in `.metrics`.
-
-        normalizer: the aggregator's denominator of the FULL batch when you pass
-        micro-batches yourself (sequences for grpo/gspo, trained tokens for
-        dapo/bnpo/cispo, sequences x max_tokens for dr_grpo); see `normalizer_for`.
-        """
-        if isinstance(rollouts, TrainBatch):
-            if rewards is not None:
-                raise ValueError("calculate_loss(prepared_batch) takes no rewards: they are in the prepared batch")
-            tb = rollouts
-        else:
-            if rewards is None:
-                raise ValueError("calculate_loss(rollouts, rewards) needs one reward per rollout")
-            tb = self.prepare(rollouts, rewards, compute_old=False)
-        return self.loss(tb, normalizer)
-
     def normalizer_for(self, rollouts: list[Rollout]) -> float:
         """The aggregator's denominator for this full batch of rollouts (for your own micro-batching)."""
         return default_normalizer(self.config.spec.aggregate, trained_mask(self.encode(rollouts)),
                                   self.config.max_tokens)
 
     def loss(self, tb: TrainBatch, normalizer: float | None = None) -> torch.Tensor:
-        """The scalar loss of a prepared (micro-)batch; see `calculate_loss`."""
+        """The scalar loss of a prepared (micro-)batch; see `calculate_loss`.
+
+        normalizer: the FULL batch's denominator when micro-batching yourself: sequences
+        for grpo/gspo, trained tokens for dapo/bnpo/cispo, sequences x max_tokens for
+        dr_grpo; `normalizer_for(rollouts)` computes it."""
         cfg, mask, batch = self.config, tb.mask, tb.batch
         norm = normalizer if normalizer is not None else tb.normalizer
         hidden = final_hidden_states(self.model, batch.input_ids, batch.attention_mask)  # (B, T, H)

@@ -158,22 +158,8 @@ class PPO(RolloutTrainer):
             tb.advantages, tb.returns = self._advantages(tb, old, values)
         return tb
 
-    def calculate_loss(self, rollouts, rewards=None, normalizer: float | None = None) -> torch.Tensor:
-        """policy loss + vf_coef * value loss over `rollouts` (or a prepared `TrainBatch`), token-mean.
-
-        normalizer: the full batch's trained-token count when you micro-batch yourself.
-        """
-        if isinstance(rollouts, TrainBatch):
-            if rewards is not None:
-                raise ValueError("calculate_loss(prepared_batch) takes no rewards: they are in the prepared batch")
-            tb = rollouts
-        else:
-            if rewards is None:
-                raise ValueError("calculate_loss(rollouts, rewards) needs one reward per rollout")
-            tb = self.prepare(rollouts, rewards, compute_old=False)
-        return self.loss(tb, normalizer)
-
     def loss(self, tb: TrainBatch, normalizer: float | None = None) -> torch.Tensor:
+        """policy loss + vf_coef * value loss (token-mean); normalizer: the FULL batch's trained tokens."""
         cfg, mask = self.config, tb.mask
         logp, ent, values = self._forward(tb.batch, mask, tb.temperature)
         trainer_old = tb.old_logprobs if tb.old_logprobs is not None else logp.detach()

@@ -133,6 +133,22 @@ class RolloutTrainer:
                              "(e.g. copy.deepcopy(model).eval()) or use a peft model (its adapter is disabled)")
         self.metrics: dict[str, float] = {}
 
+    def calculate_loss(self, rollouts, rewards=None, normalizer: float | None = None) -> torch.Tensor:
+        """Scalar loss over `rollouts` (or a prepared `TrainBatch`); diagnostics land in `.metrics`.
+
+        normalizer: the aggregator's denominator of the FULL batch when you pass
+        micro-batches yourself (see the subclass's `loss`).
+        """
+        if isinstance(rollouts, TrainBatch):
+            if rewards is not None:
+                raise ValueError("calculate_loss(prepared_batch) takes no rewards: they are in the prepared batch")
+            tb = rollouts
+        else:
+            if rewards is None:
+                raise ValueError("calculate_loss(rollouts, rewards) needs one reward per rollout")
+            tb = self.prepare(rollouts, rewards, compute_old=False)
+        return self.loss(tb, normalizer)
+
     def encode(self, rollouts: list[Rollout]) -> Batch:
         if not rollouts:
             raise ValueError(f"{self.name}: no rollouts given")
