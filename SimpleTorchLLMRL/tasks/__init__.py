@@ -11,10 +11,12 @@ from SimpleTorchLLMRL.tasks.arithmetic import (
     generate_problems,
     iter_problems,
     parse_tool_call,
+    rollout_correct,
     run_calculator,
     safe_eval,
     solution_rollout,
     split_of,
+    used_tool,
     write_jsonl,
 )
 
@@ -29,9 +31,11 @@ __all__ = [
     "generate_problems",
     "iter_problems",
     "parse_tool_call",
+    "rollout_correct",
     "run_calculator",
     "safe_eval",
     "solution_rollout",
     "split_of",
+    "used_tool",
     "write_jsonl",
 ]

@@ -278,3 +278,15 @@ def solution_rollout(question: str, *, use_tool: bool, final_answer: int | str |
         msgs.append(Message(format_answer(final_answer), MessageType.MODEL))
     metadata = {"tools": tools} if tools else {}
     return Rollout(msgs, metadata)
+
+
+def used_tool(rollout: Rollout) -> bool:
+    """True when some MODEL turn of the rollout holds a well-formed calculator call."""
+    return any(parse_tool_call(m.content) is not None for m in rollout if m.type is MessageType.MODEL)
+
+
+def rollout_correct(rollout: Rollout, answer: int | str | None = None) -> bool:
+    """`check_answer` on the last MODEL turn; `answer` defaults to `rollout.metadata["answer"]`."""
+    last = rollout.last(MessageType.MODEL)
+    want = rollout.metadata.get("answer") if answer is None else answer
+    return last is not None and want is not None and check_answer(last.content, want)
