@@ -1,0 +1,165 @@
+"""Command line of `main.py`: the flags, and every check that must pass before anything is written.
+
+    args = parse_args(["--steps", "20"])
+    check_args(args)                      # UsageError (one line) on a bad flag or output dir
+    model, tokenizer = load_policy(args)  # UsageError when the model cannot be loaded
+
+A `UsageError` is printed as one line on stderr by `fail` and the process exits
+with status 2; nothing has been written at that point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+DEFAULT_MODEL = PACKAGE_DIR / "assets" / "tiny_calc"
+BACKENDS = ("hf", "vllm")
+
+
+class UsageError(Exception):
+    """Bad input from the command line: reported as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="main.py",
+        description="GRPO with a calculator tool: rollouts -> rewards -> GRPO loss -> optimizer step.")
+    p.add_argument("--model", default=str(DEFAULT_MODEL),
+                   help="HF model id or local path (default: the embedded tiny model)")
+    p.add_argument("--dataset", default=None,
+                   help="jsonl / json / parquet file or HF datasets name with 'question' and 'answer' fields "
+                        "(default: built-in synthetic arithmetic)")
+    p.add_argument("--backend", choices=BACKENDS, default="hf", help="generation backend")
+    p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of the full model")
+    p.add_argument("--qlora", action="store_true", help="4-bit base + LoRA adapters (bitsandbytes)")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-alpha", type=float, default=32.0)
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=8, help="questions per step")
+    p.add_argument("--group-size", type=int, default=8, help="rollouts per question (GRPO group)")
+    p.add_argument("--micro-batch-size", type=int, default=64, help="rollouts per forward/backward")
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW)")
+    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
+    p.add_argument("--max-new-tokens", type=int, default=40, help="tokens per assistant turn")
+    p.add_argument("--max-turns", type=int, default=2, help="assistant turns per episode")
+    p.add_argument("--output-dir", default="outputs/main")
+    p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (0: only the last)")
+    p.add_argument("--eval-every", type=int, default=5, help="steps between evaluations (0: first and last)")
+    p.add_argument("--eval-size", type=int, default=200, help="held-out problems for greedy accuracy")
+    p.add_argument("--pass-k", type=int, default=4, help="k of pass@k (k samples per problem)")
+    p.add_argument("--pass-k-size", type=int, default=50, help="held-out problems for pass@k")
+    p.add_argument("--wandb", action="store_true", help="log to Weights & Biases (offline without a login)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest for tiny models)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag and the output dir, before anything is loaded or written."""
+    positive = ("steps", "batch_size", "group_size", "micro_batch_size", "max_new_tokens", "max_turns",
+                "eval_size", "pass_k", "threads", "lora_rank")
+    for name in positive:
+        value = getattr(args, name)
+        if value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    for name in ("checkpoint_every", "eval_every", "warmup_steps", "pass_k_size"):
+        value = getattr(args, name)
+        if value < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    if args.group_size < 2:
+        raise UsageError(f"--group-size must be >= 2 (GRPO compares rollouts within a group), got {args.group_size}")
+    if not args.lr > 0:
+        raise UsageError(f"--lr must be > 0, got {args.lr}")
+    if not args.temperature > 0:
+        raise UsageError(f"--temperature must be > 0, got {args.temperature}")
+    if not args.lora_alpha > 0:
+        raise UsageError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
+    if args.lora and args.qlora:
+        raise UsageError("--lora and --qlora are exclusive (--qlora already trains LoRA adapters)")
+    if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise UsageError("--backend vllm needs the vllm extra: run `uv sync --extra vllm` (and a CUDA GPU)")
+    check_output_dir(Path(args.output_dir), args.resume)
+    check_model_path(args.model)
+
+
+def check_output_dir(out: Path, resume: bool) -> None:
+    """A directory we may write into: not a file, and not another run's unless resuming it."""
+    for parent in [out, *out.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise UsageError(f"--output-dir {out}: {parent} is a file, not a directory")
+    if out.is_dir() and not resume:
+        taken = [n for n in ("metrics.jsonl", "checkpoints", "final") if (out / n).exists()]
+        if taken:
+            raise UsageError(f"--output-dir {out} already holds a run ({', '.join(taken)}); "
+                             "pass --resume to continue it or choose another --output-dir")
+    if out.exists() and not os.access(out, os.W_OK):
+        raise UsageError(f"--output-dir {out} is not writable")
+
+
+def looks_like_path(name: str) -> bool:
+    """A local path rather than an HF hub id ("org/name")."""
+    return (name.startswith(("/", ".", "~")) or os.sep + os.sep in name or name.count("/") > 1
+            or name.endswith((".safetensors", ".bin", ".json")))
+
+
+def check_model_path(name: str) -> None:
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise UsageError(f"--model {name}: expected a model directory (with config.json), got a file")
+        if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
+            raise UsageError(f"--model {name}: no config.json in that directory")
+    elif looks_like_path(name):
+        hint = " (the embedded model is built by examples/pretrain_tiny.py)" if path == DEFAULT_MODEL else ""
+        raise UsageError(f"--model {name}: no such directory{hint}")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def load_policy(args: argparse.Namespace):
+    """(model, tokenizer) as asked: full model, LoRA or QLoRA; UsageError when loading fails."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    name = str(Path(args.model).expanduser()) if Path(args.model).expanduser().exists() else args.model
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        if args.qlora:
+            from SimpleTorchLLMRL.model.lora import load_qlora
+
+            model = load_qlora(name, r=args.lora_rank, alpha=args.lora_alpha)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(name, dtype="float32")
+            if args.lora:
+                from SimpleTorchLLMRL.model.lora import apply_lora
+
+                model = apply_lora(model, r=args.lora_rank, alpha=args.lora_alpha)
+    except (OSError, ValueError, KeyError, ImportError, RuntimeError) as e:
+        raise UsageError(f"--model {args.model}: cannot load it: {_first_line(e)}") from e
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise UsageError(f"--model {args.model}: its tokenizer has no chat template (needed for tool calls)")
+    return model, tokenizer
+
+
+def fail(error: BaseException, prog: str = "main.py") -> int:
+    """Print `prog: error: message` as one line on stderr; return the exit status 2."""
+    print(f"{prog}: error: {_first_line(error)}", file=sys.stderr, flush=True)
+    return 2

@@ -1,0 +1,149 @@
+"""Datasets for `main.py`: rows `{"question": str, "answer": str}`, a held-out split, and a seeded order.
+
+    train, held_out = load_data(None, eval_size=200, seed=0)     # built-in synthetic arithmetic
+    train, held_out = load_data("data.jsonl", eval_size=200, seed=0)
+    rows = batch_at(train, position=16, batch_size=8, seed=0)    # rows 16..23 of the seeded order
+
+The order is a function of (seed, position) only, so a run resumed at a saved
+position sees exactly the rows an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+from pathlib import Path
+
+REQUIRED_FIELDS = ("question", "answer")
+SYNTHETIC_TRAIN_SIZE = 20000
+
+
+class DatasetError(ValueError):
+    """The dataset cannot be used (unreadable, wrong fields, empty); the message is one line."""
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_rows(spec: str) -> list[dict]:
+    """Rows of a .jsonl / .json / .parquet file, or of an HF datasets name ("name" or "name:split")."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        raise DatasetError(f"--dataset {spec}: is a directory; give a .jsonl, .json or .parquet file")
+    if path.exists():
+        suffix = path.suffix.lower()
+        try:
+            if suffix == ".parquet":
+                return _read_parquet(path)
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise DatasetError(f"--dataset {spec}: cannot read it: {e}") from e
+        return _parse_json(text, spec, as_lines=suffix != ".json")
+    if path.suffix.lower() in (".jsonl", ".json", ".parquet") or spec.startswith(("/", ".", "~")):
+        raise DatasetError(f"--dataset {spec}: no such file")
+    return _read_hf(spec)
+
+
+def _parse_json(text: str, spec: str, as_lines: bool) -> list[dict]:
+    if not as_lines:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"--dataset {spec}: not valid JSON ({e})") from e
+        if isinstance(data, dict):  # {"question": [...], "answer": [...]} columns, or {"data": rows}
+            data = data.get("data", data)
+        if isinstance(data, dict):
+            cols = {k: v for k, v in data.items() if isinstance(v, list)}
+            data = [dict(zip(cols, vals, strict=True)) for vals in zip(*cols.values(), strict=True)] if cols else []
+        if not isinstance(data, list):
+            raise DatasetError(f"--dataset {spec}: expected a list of objects")
+        return data
+    rows = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"--dataset {spec}: line {i} is not valid JSON ({e.msg})") from e
+    return rows
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise DatasetError(f"--dataset {path}: reading parquet needs pyarrow (`uv pip install pyarrow`)") from e
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as e:  # noqa: BLE001  (any reader failure is "unreadable")
+        raise DatasetError(f"--dataset {path}: cannot read it as parquet: {str(e).splitlines()[0]}") from e
+
+
+def _read_hf(spec: str) -> list[dict]:
+    try:
+        import datasets
+    except ImportError as e:
+        raise DatasetError(f"--dataset {spec}: no such file, and HF dataset names need the `datasets` package "
+                           "(`uv pip install datasets`)") from e
+    name, _, split = spec.partition(":")
+    try:
+        ds = datasets.load_dataset(name, split=split or "train")
+    except Exception as e:  # noqa: BLE001
+        raise DatasetError(f"--dataset {spec}: cannot load it: {str(e).splitlines()[0] if str(e) else e!r}") from e
+    return [dict(r) for r in ds]
+
+
+def check_rows(rows: list, spec: str) -> list[dict]:
+    """Rows with string question/answer; DatasetError naming the missing fields."""
+    if not rows:
+        raise DatasetError(f"--dataset {spec}: has no rows")
+    bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise DatasetError(f"--dataset {spec}: row {bad + 1} is not an object with fields {list(REQUIRED_FIELDS)}")
+    for i, r in enumerate(rows):
+        missing = [f for f in REQUIRED_FIELDS if r.get(f) is None]
+        if missing:
+            raise DatasetError(f"--dataset {spec}: row {i + 1} lacks the field(s) {missing}; every row needs "
+                               f"{' and '.join(repr(f) for f in REQUIRED_FIELDS)}")
+    return [{"question": str(r["question"]), "answer": str(r["answer"])} for r in rows]
+
+
+# ---------------------------------------------------------------- splits
+
+
+def load_data(spec: str | None, eval_size: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows). Synthetic: disjoint hash splits; a file: `eval_size` rows held out."""
+    if spec is None:
+        from SimpleTorchLLMRL.tasks.arithmetic import build_dataset
+
+        return (build_dataset(SYNTHETIC_TRAIN_SIZE, seed=seed, split="train"),
+                build_dataset(eval_size, seed=seed + 1, split="test"))
+    rows = check_rows(read_rows(spec), spec)
+    if len(rows) < 2:
+        raise DatasetError(f"--dataset {spec}: needs at least 2 rows (training and held-out), has {len(rows)}")
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    n_eval = min(eval_size, len(rows) // 5 or 1)  # never more than a fifth of a small file
+    held = sorted(order[:n_eval])
+    train = sorted(order[n_eval:])
+    return [rows[i] for i in train], [rows[i] for i in held]
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(n: int, epoch: int, seed: int) -> tuple[int, ...]:
+    """A permutation of range(n), fixed by (seed, epoch)."""
+    order = list(range(n))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return tuple(order)
+
+
+def batch_at(rows: list[dict], position: int, batch_size: int, seed: int) -> list[dict]:
+    """`batch_size` rows starting at `position` of the endless seeded order (a new shuffle per epoch)."""
+    n = len(rows)
+    out = []
+    for p in range(position, position + batch_size):
+        epoch, i = divmod(p, n)
+        out.append(rows[epoch_order(n, epoch, seed)[i]])
+    return out

@@ -1,0 +1,104 @@
+"""Small helpers `main.py` uses around its loop: seeds, generators, the LR schedule, files.
+
+Nothing here runs the loop; `main.py` does, top to bottom.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from SimpleTorchLLMRL.model.generate import ModelGenerate
+
+ROLLOUT_STREAM, EVAL_STREAM = 0, 1
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def step_seed(seed: int, step: int, stream: int = ROLLOUT_STREAM) -> int:
+    """The sampling seed of one step: a function of (seed, step) only, so a resumed run resamples the same."""
+    return (seed * 1_000_003 + step * 2 + stream) % 2**62
+
+
+def warmup_constant(warmup_steps: int):
+    """LambdaLR factor: linear warm-up over `warmup_steps`, then constant."""
+    return lambda s: min(1.0, (s + 1) / (warmup_steps + 1)) if warmup_steps else 1.0
+
+
+class Sampler:
+    """Builds each step's `ModelGenerate`; with `--backend vllm` it owns the engine and syncs weights into it.
+
+    HF: the generator samples with the training model itself (nothing to sync).
+    vLLM: one engine for the whole run; after each optimizer step `sync(model)` pushes the
+    weights (merged LoRA for --lora, the adapter for --qlora).
+    """
+
+    def __init__(self, model, tokenizer, *, stop_strings, max_new_tokens: int, temperature: float,
+                 backend: str = "hf", model_name: str | None = None, adapter: bool = False):
+        self.model, self.tokenizer = model, tokenizer
+        self.stop_strings, self.max_new_tokens, self.temperature = stop_strings, max_new_tokens, temperature
+        self.adapter = adapter
+        self.engine = None
+        self.lora_request = None
+        if backend == "vllm":
+            from SimpleTorchLLMRL.model.vllm import import_vllm
+
+            vllm = import_vllm()
+            mode = "raw_logprobs" if temperature == 1 else "processed_logprobs"
+            self.engine = vllm.LLM(model_name, logprobs_mode=mode, enable_lora=adapter, seed=0)
+            self.sync(model)
+
+    def generator(self, seed: int, greedy: bool = False) -> ModelGenerate:
+        extra = {"lora_request": self.lora_request} if self.engine is not None and self.lora_request else {}
+        return ModelGenerate(self.engine if self.engine is not None else self.model, self.tokenizer,
+                             max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                             do_sample=not greedy, tool_call_stop=self.stop_strings, seed=seed, **extra)
+
+    def sync(self, model) -> None:
+        """Push the training weights into the vLLM engine (no-op for HF)."""
+        if self.engine is None:
+            return
+        gen = self.generator(seed=0)
+        gen.push_weights(model, mode="adapter" if self.adapter else "merged")
+        if self.adapter:
+            self.lora_request = gen.backend.lora_request
+
+
+def trim_metrics(path: Path, last_step: int) -> None:
+    """Drop rows after `last_step` from a metrics.jsonl (a resumed run rewrites them), atomically."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the torn last line of a killed run
+        if row.get("step", 0) <= last_step:
+            kept.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(s + "\n" for s in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def save_final_model(model, tokenizer, path: Path) -> str:
+    """`save_pretrained` of the adapter (peft) or the full model, plus the tokenizer; returns which."""
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return "adapter" if hasattr(model, "peft_config") else "full"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

@@ -1,0 +1,264 @@
+"""main.py end to end: a short run, SIGKILL + --resume == uninterrupted, bad input, and its helpers."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from SimpleTorchLLMRL.cli import DEFAULT_MODEL
+from SimpleTorchLLMRL.data import DatasetError, batch_at, check_rows, load_data, read_rows
+from SimpleTorchLLMRL.evaluate import pass_at_k, summary_table
+from SimpleTorchLLMRL.logging import read_metrics
+from SimpleTorchLLMRL.train_loop import step_seed, trim_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = Path(os.environ.get("MAIN_TEST_MODEL", DEFAULT_MODEL))  # the embedded model unless told otherwise
+HAS_ASSET = (MODEL / "config.json").exists() and (MODEL / "model.safetensors").exists()
+needs_asset = pytest.mark.skipif(not HAS_ASSET, reason=f"the embedded model is not built yet ({MODEL})")
+
+# small enough for seconds per run on 2 busy cores, big enough that GRPO has non-zero advantages
+SMALL = ["--model", str(MODEL), "--batch-size", "2", "--group-size", "4", "--eval-size", "6", "--pass-k", "2", "--pass-k-size", "3",
+         "--max-new-tokens", "40", "--threads", "1"]
+TIME_KEYS = ("train/gen_seconds", "train/step_seconds")
+
+
+def load_main():
+    spec = importlib.util.spec_from_file_location("main_under_test", ROOT / "main.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_main(*argv: str, **kwargs) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, str(ROOT / "main.py"), *argv], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600, **kwargs)
+
+
+def without_times(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in rows]
+
+
+# ---------------------------------------------------------------- helpers (fast)
+
+
+def test_pass_at_k_matches_brute_force_enumeration():
+    for n, k in [(1, 1), (4, 1), (4, 2), (5, 3), (6, 6)]:
+        for c in range(n + 1):
+            outcomes = [True] * c + [False] * (n - c)
+            subsets = list(itertools.combinations(outcomes, k))
+            naive = sum(any(s) for s in subsets) / len(subsets)
+            assert math.isclose(pass_at_k(n, c, k), naive, rel_tol=0, abs_tol=1e-12), (n, c, k)
+    with pytest.raises(ValueError):
+        pass_at_k(3, 4, 1)
+
+
+def test_batch_at_is_a_seeded_function_of_position_and_covers_each_epoch():
+    rows = [{"question": str(i), "answer": str(i)} for i in range(10)]
+    first = [r["question"] for r in batch_at(rows, 0, 10, seed=3)]
+    assert sorted(first) == [str(i) for i in range(10)] and first != sorted(first)
+    second = [r["question"] for r in batch_at(rows, 10, 10, seed=3)]
+    assert sorted(second) == sorted(first) and second != first  # a new shuffle per epoch
+    stitched = batch_at(rows, 0, 4, 3) + batch_at(rows, 4, 9, 3) + batch_at(rows, 13, 7, 3)
+    assert [r["question"] for r in stitched] == first + second  # any split into batches sees the same order
+    assert batch_at(rows, 0, 10, seed=4) != batch_at(rows, 0, 10, seed=3)
+
+
+def test_step_seed_depends_on_step_and_stream_only():
+    seeds = {step_seed(0, s, stream) for s in range(100) for stream in (0, 1)}
+    assert len(seeds) == 200 and step_seed(0, 5) == step_seed(0, 5)
+
+
+def test_synthetic_split_is_disjoint_and_file_split_holds_out(tmp_path):
+    train, held = load_data(None, eval_size=50, seed=0)
+    assert len(held) == 50 and not {r["question"] for r in held} & {r["question"] for r in train}
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{i}", "answer": i, "extra": 1}) + "\n" for i in range(20)))
+    train, held = load_data(str(path), eval_size=100, seed=0)
+    assert len(held) == 4 and len(train) == 16  # at most a fifth of a small file is held out
+    assert {r["question"] for r in train} | {r["question"] for r in held} == {f"q{i}" for i in range(20)}
+    assert all(r["answer"] == r["question"][1:] for r in train)  # answers become strings
+
+
+def test_read_rows_formats_and_errors(tmp_path):
+    (tmp_path / "cols.json").write_text(json.dumps({"question": ["a", "b"], "answer": ["1", "2"]}))
+    assert read_rows(str(tmp_path / "cols.json")) == [{"question": "a", "answer": "1"},
+                                                      {"question": "b", "answer": "2"}]
+    (tmp_path / "bad.jsonl").write_text('{"question": "a", "answer": "1"}\n{oops\n')
+    with pytest.raises(DatasetError, match="line 2"):
+        read_rows(str(tmp_path / "bad.jsonl"))
+    with pytest.raises(DatasetError, match="no such file"):
+        read_rows(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(DatasetError, match=r"\['answer'\]"):
+        check_rows([{"question": "a", "answer": "1"}, {"question": "b"}], "x")
+
+
+def test_trim_metrics_drops_rows_after_the_checkpoint_and_a_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "v": s}) + "\n" for s in [0, 1, 2, 3]) + '{"step": 4, "v"')
+    trim_metrics(path, 2)
+    assert [r["step"] for r in read_metrics(path)] == [0, 1, 2]
+
+
+def test_summary_table_lists_every_evaluation():
+    rows = [{"step": 0, "eval/accuracy": 0.1, "eval/pass@4": 0.5}, {"step": 1, "train/reward": 0.3},
+            {"step": 5, "eval/accuracy": 0.75, "eval/pass@4": 0.875}]
+    lines = summary_table(rows, 4).splitlines()
+    assert lines[2].startswith("| 0 | 0.100 | 0.500 |") and lines[3].startswith("| 5 | 0.750 | 0.875 |")
+    assert len(lines) == 4
+
+
+# ---------------------------------------------------------------- bad input: one line, exit 2, nothing written
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A random-init Llama with the tiny ChatML tokenizer (bad-input cases never train it)."""
+    from SimpleTorchLLMRL.tiny import tiny_model, tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny_model")
+    tok = tiny_tokenizer("chatml", padding_side="left")
+    tiny_model("llama", tok, max_position_embeddings=2048).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _bad_input_cases(tmp: Path, model: Path):
+    no_fields = tmp / "no_fields.jsonl"
+    no_fields.write_text('{"prompt": "What is 1 + 1?", "solution": "2"}\n' * 5)
+    unreadable = tmp / "unreadable.jsonl"
+    unreadable.write_bytes(b"\xff\xfe\x00not json at all\n")
+    a_file = tmp / "a_file"
+    a_file.write_text("precious")
+    return {
+        "missing model": (["--model", str(tmp / "no_such_model")], "no such directory"),
+        "unreadable dataset": (["--model", str(model), "--dataset", str(unreadable)], "--dataset"),
+        "dataset without fields": (["--model", str(model), "--dataset", str(no_fields)], "'question'"),
+        "steps 0": (["--model", str(model), "--steps", "0"], "--steps must be >= 1"),
+        "output dir is a file": (["--model", str(model), "--output-dir", str(a_file)], "is a file"),
+    }
+
+
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, tiny_model_dir, capfd):
+    main = load_main()
+    for name, (argv, expected) in _bad_input_cases(tmp_path, tiny_model_dir).items():
+        out = tmp_path / f"out_{name.replace(' ', '_')}"
+        if "--output-dir" not in argv:
+            argv = [*argv, "--output-dir", str(out)]
+        before = sorted(p.name for p in tmp_path.iterdir())
+        code = main.main(argv)
+        _, err = capfd.readouterr()
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2, name
+        assert len(lines) == 1 and lines[0].startswith("main.py: error: ") and expected in lines[0], (name, err)
+        assert sorted(p.name for p in tmp_path.iterdir()) == before, name  # nothing created
+    assert (tmp_path / "a_file").read_text() == "precious"
+
+
+def test_an_existing_run_is_not_overwritten_without_resume(tmp_path, tiny_model_dir, capfd):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    code = load_main().main(["--model", str(tiny_model_dir), "--output-dir", str(out)])
+    assert code == 2 and "--resume" in capfd.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == '{"step": 0}\n' and sorted(os.listdir(out)) == ["metrics.jsonl"]
+
+
+def test_bad_input_from_a_real_process(tmp_path):
+    res = run_main("--steps", "0", "--output-dir", str(tmp_path / "o"))
+    assert res.returncode == 2 and res.stderr.strip() == "main.py: error: --steps must be >= 1, got 0"
+    assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------- end to end (the embedded model)
+
+
+@pytest.mark.slow
+@needs_asset
+def test_a_short_run_writes_every_output(tmp_path):
+    out = tmp_path / "run"
+    res = run_main(*SMALL, "--steps", "3", "--eval-every", "2", "--checkpoint-every", "2", "--output-dir", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if "train/reward" in r] == [1, 2, 3]
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 2, 3]
+    assert all(0 <= r[k] <= 1 for r in rows if "eval/accuracy" in r for k in ("eval/accuracy", "eval/pass@2"))
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    samples = (out / "samples.txt").read_text()
+    assert "[assistant" in samples and "expected:" in samples and "reward:" in samples
+    assert "| step | greedy acc |" in (out / "summary.md").read_text()
+    assert "held-out greedy accuracy" in res.stdout
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    AutoTokenizer.from_pretrained(out / "final")
+    from safetensors.torch import load_file
+
+    ckpt = load_file(str(out / "checkpoints" / "step-000003" / "model.safetensors"))
+    for name, p in model.state_dict().items():
+        if name in ckpt:
+            assert torch.equal(p, ckpt[name]), name
+
+
+@pytest.mark.slow
+@needs_asset
+def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
+    args = [*SMALL, "--steps", "6", "--eval-every", "3", "--checkpoint-every", "2"]
+    full_dir, killed_dir = tmp_path / "full", tmp_path / "killed"
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    popen = dict(cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    victim = subprocess.Popen([sys.executable, str(ROOT / "main.py"), *args, "--output-dir", str(killed_dir)],
+                              **popen)
+    full = subprocess.Popen([sys.executable, str(ROOT / "main.py"), *args, "--output-dir", str(full_dir)],
+                            **popen)  # runs alongside the victim
+    deadline = time.time() + 300
+    while not list((killed_dir / "checkpoints").glob("step-*/MANIFEST.json")):
+        assert victim.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert full.wait(timeout=600) == 0, full.stderr.read()[-3000:]
+    assert not (killed_dir / "final").exists(), "the run finished before it could be killed"
+    steps_done = [r["step"] for r in read_metrics(killed_dir / "metrics.jsonl") if "train/reward" in r]
+    assert max(steps_done) < 6
+
+    resumed = run_main(*args, "--output-dir", str(killed_dir), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    full_rows, resumed_rows = read_metrics(full_dir / "metrics.jsonl"), read_metrics(killed_dir / "metrics.jsonl")
+    assert [r["step"] for r in resumed_rows] == [r["step"] for r in full_rows]
+    assert without_times(resumed_rows) == without_times(full_rows)  # every reward, loss, accuracy: exactly
+    assert any(r.get("train/frac_zero_advantage", 1) < 1 for r in full_rows), "no learning signal: a vacuous test"
+    from safetensors.torch import load_file
+
+    a = load_file(str(full_dir / "final" / "model.safetensors"))
+    b = load_file(str(killed_dir / "final" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@needs_asset
+def test_lora_run_saves_a_loadable_adapter(tmp_path, capfd):
+    out = tmp_path / "lora"
+    code = load_main().main([*SMALL, "--steps", "2", "--eval-every", "0", "--lora", "--lora-rank", "4",
+                             "--output-dir", str(out)])
+    assert code == 0, capfd.readouterr().err[-3000:]
+    assert (out / "final" / "adapter_config.json").exists()
+    from peft import AutoPeftModelForCausalLM
+
+    model = AutoPeftModelForCausalLM.from_pretrained(out / "final")
+    lora = {k: v for k, v in model.state_dict().items() if "lora_B" in k}
+    assert lora and any(v.abs().sum() > 0 for v in lora.values())  # B starts at zero: the adapter trained
