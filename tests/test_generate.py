@@ -253,3 +253,20 @@ def test_prompt_over_context_names_the_rollout(tok):
     assert gen.fits(rollouts[0]) and not gen.fits(rollouts[1])
     with pytest.raises(ValueError, match="empty prompt"):
         ModelGenerate(m, tiny_tokenizer("plain"), max_new_tokens=4).generate([Rollout()])
+
+
+def test_unseeded_calls_draw_fresh_samples_from_the_global_rng(chatml_tokenizer):
+    """Without a seed, two calls on the same prompt must not replay the same RNG stream."""
+    from SimpleTorchLLMRL.chat.message import Message, Rollout
+    from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.tiny import tiny_model
+
+    model = tiny_model("qwen2", chatml_tokenizer)
+    gen = ModelGenerate(model, chatml_tokenizer, max_new_tokens=12, temperature=1.0)
+    rollouts = [Rollout([Message("hello")]) for _ in range(4)]
+    torch.manual_seed(0)
+    first = [m[0].token_ids for m in gen.generate(rollouts)]
+    second = [m[0].token_ids for m in gen.generate(rollouts)]
+    assert first != second
+    torch.manual_seed(0)
+    assert [m[0].token_ids for m in gen.generate(rollouts)] == first  # the global seed still governs them

@@ -85,8 +85,11 @@ class HFBackend:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                if seed is not None:
+            # A seeded call runs on a forked RNG (the global stream is left alone); an unseeded call
+            # draws from the global RNG, so consecutive calls give fresh samples.
+            forked = seed is not None
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], enabled=forked):
+                if forked:
                     torch.manual_seed(seed)
                 flat = []
                 for start in range(0, len(expanded), step):
