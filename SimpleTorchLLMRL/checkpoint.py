@@ -90,9 +90,9 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model, optimizer=No
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:06d}"
+    for stale in root.glob(f".tmp-{PREFIX}*"):  # left by a run killed mid-save: never complete, never loaded
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-{PREFIX}{step:06d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
     save_file(_model_state(model), str(tmp / "model.safetensors"))
     torch.save({"optimizer": optimizer.state_dict() if optimizer is not None else None,

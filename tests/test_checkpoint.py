@@ -72,6 +72,9 @@ def test_partial_and_corrupt_checkpoints_are_skipped(tmp_path, chatml_tokenizer)
 
 def test_keep_last_prunes_old_checkpoints(tmp_path, chatml_tokenizer):
     model = tiny_model("qwen2", chatml_tokenizer)
+    killed_mid_save = tmp_path / ".tmp-step-000001-99999"
+    killed_mid_save.mkdir()
+    (killed_mid_save / "model.safetensors").write_bytes(b"partial")
     for step in range(1, 5):
         save_checkpoint(tmp_path, step, model, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003", "step-000004"]
