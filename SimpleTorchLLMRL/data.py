@@ -74,7 +74,7 @@ def _read_parquet(path: Path) -> list[dict]:
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
-        raise DatasetError(f"--dataset {path}: reading parquet needs pyarrow (`uv pip install pyarrow`)") from e
+        raise DatasetError(f"--dataset {path}: reading parquet needs pyarrow (`uv sync --extra data`)") from e
     try:
         return pq.read_table(path).to_pylist()
     except Exception as e:  # noqa: BLE001  (any reader failure is "unreadable")
@@ -86,7 +86,7 @@ def _read_hf(spec: str) -> list[dict]:
         import datasets
     except ImportError as e:
         raise DatasetError(f"--dataset {spec}: no such file, and HF dataset names need the `datasets` package "
-                           "(`uv pip install datasets`)") from e
+                           "(`uv sync --extra data`)") from e
     name, _, split = spec.partition(":")
     try:
         ds = datasets.load_dataset(name, split=split or "train")
