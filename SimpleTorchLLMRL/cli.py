@@ -16,8 +16,9 @@ import os
 import sys
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-DEFAULT_MODEL = PACKAGE_DIR / "assets" / "tiny_calc"
+from SimpleTorchLLMRL.tiny import TINY_CALC
+
+DEFAULT_MODEL = TINY_CALC
 BACKENDS = ("hf", "vllm")
 
 

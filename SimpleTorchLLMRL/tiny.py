@@ -13,6 +13,10 @@ chat-template styles, and random-init Qwen2 / Llama / GPT-2 models from config.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
+
+# The embedded pretrained default model (built by examples/pretrain_tiny.py).
+TINY_CALC = Path(__file__).resolve().parent / "assets" / "tiny_calc"
 
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -77,7 +81,7 @@ _CORPUS = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bpe_json(vocab_size: int) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -158,3 +162,25 @@ def tiny_model(arch: str = "qwen2", tokenizer=None, *, vocab_size: int | None = 
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.eval()
+
+
+def load_model_or_tiny(name: str | None = None, seed: int = 0):
+    """(model, tokenizer, description) for examples.
+
+    name: a local directory or hub id (loaded with `from_pretrained`), "random"
+    (a random tiny Qwen2 with the ChatML tokenizer, context 2048 for tool
+    prompts), or None: the embedded tiny_calc model when built, else random.
+    """
+    import torch
+
+    if name is None:
+        name = str(TINY_CALC) if (TINY_CALC / "model.safetensors").exists() else "random"
+    if name == "random":
+        tok = tiny_tokenizer("chatml")
+        return tiny_model("qwen2", tok, seed=seed, max_position_embeddings=2048), tok, "random tiny qwen2"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(name)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32), tok, name

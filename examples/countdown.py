@@ -31,11 +31,12 @@ from SimpleTorchLLMRL.env import ToolUseEnv, collect_rollouts
 from SimpleTorchLLMRL.logging import MetricsLogger
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.reward import FunctionReward, extract_boxed
-from SimpleTorchLLMRL.tiny import tiny_model, tiny_tokenizer
+from SimpleTorchLLMRL.tiny import (
+    load_model_or_tiny as load_model,  # a dir / hub id, "random", or the embedded model
+)
 from SimpleTorchLLMRL.tools import CalculatorError, calculator, evaluate
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
 
-ASSET = Path(__file__).resolve().parents[1] / "SimpleTorchLLMRL" / "assets" / "tiny_calc"
 FORMAT_CREDIT = 0.1
 QUESTION = ("Using the numbers {numbers}, create an expression that equals {target}. Use each number exactly "
             "once, with + - * / and parentheses. Give the expression in \\boxed{{}}, e.g. \\boxed{{(1 + 2) * 3}}.")
@@ -74,21 +75,6 @@ def countdown_score(text: str, problem: dict) -> float:
     except CalculatorError:
         return FORMAT_CREDIT
     return 1.0 if abs(value - problem["target"]) < 1e-9 else FORMAT_CREDIT
-
-
-def load_model(name: str | None, seed: int):
-    """(model, tokenizer, description): a local dir / hub id, "random", or None (tiny_calc if built, else random)."""
-    if name is None:
-        name = str(ASSET) if (ASSET / "model.safetensors").exists() else "random"
-    if name == "random":
-        tok = tiny_tokenizer("chatml")  # the prompt + tool schemas are ~600 tokens: give it room
-        return tiny_model("qwen2", tok, seed=seed, max_position_embeddings=2048), tok, "random tiny qwen2"
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(name)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32), tok, name
 
 
 def main(argv: list[str] | None = None) -> None:

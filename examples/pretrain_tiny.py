@@ -39,9 +39,9 @@ import torch.nn.functional as F
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import collate, encode_prompt, encode_rollouts
 from SimpleTorchLLMRL.tasks import arithmetic as A
-from SimpleTorchLLMRL.tiny import CHATML_SPECIALS, CHATML_TEMPLATE
+from SimpleTorchLLMRL.tiny import CHATML_SPECIALS, CHATML_TEMPLATE, TINY_CALC
 
-ASSET_DIR = Path(__file__).resolve().parents[1] / "SimpleTorchLLMRL" / "assets" / "tiny_calc"
+ASSET_DIR = TINY_CALC
 
 _WORDS = (
     "you are a helpful assistant answer the question carefully think step by step math problem solve "

@@ -31,26 +31,11 @@ from SimpleTorchLLMRL.logging import MetricsLogger
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.reward import BoxedReward, CombinedReward, FormatReward
 from SimpleTorchLLMRL.tasks import arithmetic
-from SimpleTorchLLMRL.tiny import tiny_model, tiny_tokenizer
+from SimpleTorchLLMRL.tiny import (
+    load_model_or_tiny as load_model,  # a dir / hub id, "random", or the embedded model
+)
 from SimpleTorchLLMRL.tools import calculator
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
-
-ASSET = Path(__file__).resolve().parents[1] / "SimpleTorchLLMRL" / "assets" / "tiny_calc"
-
-
-def load_model(name: str | None, seed: int):
-    """(model, tokenizer, description): a local dir / hub id, "random", or None (tiny_calc if built, else random)."""
-    if name is None:
-        name = str(ASSET) if (ASSET / "model.safetensors").exists() else "random"
-    if name == "random":
-        tok = tiny_tokenizer("chatml")  # the prompt + tool schemas are ~600 tokens: give it room
-        return tiny_model("qwen2", tok, seed=seed, max_position_embeddings=2048), tok, "random tiny qwen2"
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(name)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32), tok, name
 
 
 def tool_stats(rollouts) -> dict[str, float]:
