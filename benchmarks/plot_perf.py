@@ -1,0 +1,100 @@
+"""Plot benchmarks/results/grpo_vs_trl.json: speed and memory ratios against TRL, and the phase split.
+
+    uv run python benchmarks/plot_perf.py [--json benchmarks/results/grpo_vs_trl.json] [--out benchmarks/results/perf.png]
+
+Top left: TRL step time / ours (higher is better; goal 1.5x), CPU seconds and wall seconds.
+Top right: our peak RSS / TRL's (lower is better; goal 0.7x).
+Bottom: median CPU seconds per phase of one GRPO step, one panel per vocabulary size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent / "results"
+PHASES = ("generate", "old_logprobs", "loss_backward", "optimizer")
+LABELS = {"ours": "ours", "ours_patched": "ours + proposed", "trl": "TRL"}
+
+
+COLORS = {"ours": "tab:blue", "ours_patched": "tab:green", "trl": "tab:orange"}
+PHASE_COLORS = {"generate": "#9467bd", "old_logprobs": "#bcbd22", "loss_backward": "#17becf", "optimizer": "#d62728"}
+
+
+def _bars(ax, groups: list[str], series: dict[str, tuple[list[float], str, str]], goal: float, ylabel: str,
+          better: str):
+    """series: name -> (values per group, color, hatch)."""
+    import numpy as np
+
+    x = np.arange(len(groups))
+    width = 0.8 / max(1, len(series))
+    for i, (name, (vals, color, hatch)) in enumerate(series.items()):
+        bars = ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width, label=name, color=color,
+                      hatch=hatch, edgecolor="white" if hatch else None)
+        ax.bar_label(bars, labels=[f"{v:.2f}" for v in vals], fontsize=8)
+    ax.axhline(goal, color="crimson", linestyle="--", linewidth=1, label=f"goal {goal}x ({better})")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(x, groups)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+
+
+def plot(results: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    vocabs = list(results["vocabs"])
+    names = [f"V={int(v):,}" for v in vocabs]
+    sides = [s for s in ("ours", "ours_patched") if any(s in results["vocabs"][v].get("ratios", {}) for v in vocabs)]
+    fig = plt.figure(figsize=(11, 8), constrained_layout=True)
+    grid = fig.add_gridspec(2, max(2, len(vocabs)))
+    ax_speed, ax_mem = fig.add_subplot(grid[0, : grid.ncols // 2]), fig.add_subplot(grid[0, grid.ncols // 2:])
+
+    speed, mem = {}, {}
+    for s in sides:
+        r = [results["vocabs"][v]["ratios"].get(s) for v in vocabs]
+        speed[f"{LABELS[s]}, CPU s"] = ([x["cpu"]["total"] if x else 0 for x in r], COLORS[s], "")
+        speed[f"{LABELS[s]}, wall s"] = ([x["wall"]["total"] if x else 0 for x in r], COLORS[s], "//")
+        mem[LABELS[s]] = ([x["peak_rss"] if x else 0 for x in r], COLORS[s], "")
+    _bars(ax_speed, names, speed, 1.5, "TRL step time / ours", "higher is better")
+    ax_speed.set_title("GRPO step speed-up over TRL GRPOTrainer")
+    _bars(ax_mem, names, mem, 0.7, "our peak RSS / TRL's", "lower is better")
+    ax_mem.set_title("Peak memory (RSS) relative to TRL")
+
+    for i, v in enumerate(vocabs):
+        ax = fig.add_subplot(grid[1, i])
+        res = results["vocabs"][v]
+        present = [s for s in LABELS if s in res]
+        bottom = [0.0] * len(present)
+        for ph in PHASES:
+            vals = [res[s]["median_cpu_s"][ph] for s in present]
+            ax.bar([LABELS[s] for s in present], vals, bottom=bottom, label=ph.replace("_", " "),
+                   color=PHASE_COLORS[ph])
+            bottom = [b + x for b, x in zip(bottom, vals, strict=True)]
+        for j, s in enumerate(present):
+            ax.annotate(f"{res[s]['median_cpu_s']['total']:.2f} s", (j, bottom[j]), ha="center", va="bottom",
+                        fontsize=8)
+        ax.set_title(f"V={int(v):,}: median CPU s per phase")
+        ax.set_ylabel("CPU seconds")
+        ax.legend(fontsize=7)
+    cfg = results["config"]
+    fig.suptitle(f"{cfg['prompts']} prompts x {cfg['group']} completions, {cfg['new_tokens']} new tokens, "
+                 f"{cfg['threads']} thread(s), median of {cfg['runs']} processes", fontsize=10)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, default=HERE / "grpo_vs_trl.json")
+    ap.add_argument("--out", type=Path, default=HERE / "perf.png")
+    a = ap.parse_args()
+    plot(json.loads(a.json.read_text()), a.out)
+
+
+if __name__ == "__main__":
+    main()
