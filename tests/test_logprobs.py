@@ -16,12 +16,20 @@ def naive_from_hidden(h, W, b, y, temperature):
     return lp_all.gather(1, y[:, None]).squeeze(1), -(lp_all.exp() * lp_all).sum(-1)
 
 
+def small_scratch(monkeypatch, V, rows):
+    """Row blocks of `rows` rows inside each chunk (the default scratch holds a whole small chunk)."""
+    if rows:
+        monkeypatch.setattr("SimpleTorchLLMRL.model.logprobs.SCRATCH_BYTES", 4 * V * rows)
+
+
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("w_trainable", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
-def test_from_hidden_matches_float64(fused, w_trainable, bias):
+@pytest.mark.parametrize("scratch_rows", [None, 3])
+def test_from_hidden_matches_float64(fused, w_trainable, bias, scratch_rows, monkeypatch):
     torch.manual_seed(0)
     N, H, V, temp = 11, 16, 53, 0.7
+    small_scratch(monkeypatch, V, scratch_rows)
     head = nn.Linear(H, V, bias=bias)
     head.weight.requires_grad_(w_trainable)
     h = torch.randn(N, H, requires_grad=True)
@@ -47,10 +55,12 @@ def test_from_hidden_matches_float64(fused, w_trainable, bias):
 
 
 @pytest.mark.parametrize("w_trainable", [True, False])
-def test_fused_token_loss_matches_float64(w_trainable):
+@pytest.mark.parametrize("scratch_rows", [None, 3])
+def test_fused_token_loss_matches_float64(w_trainable, scratch_rows, monkeypatch):
     """A nonlinear per-token loss of logp (clipped ratio times advantage): value and all gradients."""
     torch.manual_seed(2)
     N, H, V, temp = 13, 16, 61, 0.9
+    small_scratch(monkeypatch, V, scratch_rows)
     head = nn.Linear(H, V, bias=True)
     head.weight.requires_grad_(w_trainable)
     h = torch.randn(N, H, requires_grad=True)

@@ -6,6 +6,12 @@ The sampling warpers (temperature, top-k, top-p) are ours and run after a record
 that sees the raw logits, so the recorded log-probs are log_softmax(logits / T)
 before truncation. The model's own generation-config sampling settings are
 overridden (HF would otherwise apply e.g. its default top_k=50).
+
+Sampling happens in the last logits processor (`_Sampler`, inverse CDF: one uniform
+per row) and `generate` runs greedy, so HF's argmax picks the sampled token. HF's own
+sampling is `torch.multinomial`, an exponential race whose CPU RNG costs ~18 ns per
+vocabulary entry (187 ms per step at B=64, V=151,936); the (B, V) temporaries live
+in one buffer reused across steps.
 """
 
 from __future__ import annotations
@@ -41,6 +47,109 @@ class _LogprobRecorder:
         if self.prev is not None:
             self.logprobs.append(self.prev.gather(1, sequences[:, -1:]).squeeze(1))
             self.prev = None
+        return torch.stack(self.logprobs, dim=1)
+
+
+BLOCK = 1024  # vocabulary entries per first-level block of the inverse CDF
+
+
+def inverse_cdf_sample(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unnormalized probabilities p (B, V) >= 0 -> ids (B,) with P(v) = p_v / sum(p), and sum(p) (B,) float64.
+
+    One uniform per row (torch's global RNG). Up to 4 x BLOCK entries: one float64
+    cumsum; beyond: a float64 cumsum over per-block sums picks a block, a cumsum
+    inside that block picks the entry (no (B, V) temporary). An entry with p = 0 is
+    never picked: the target mass is kept strictly below each row's total.
+    """
+    B, V = p.shape
+    u = torch.rand(B, 1, dtype=torch.float64, device=p.device)  # (B, 1)
+    if V <= 4 * BLOCK:
+        cum = p.double().cumsum(-1)  # (B, V)
+        total = _check_mass(cum[:, -1:])  # (B, 1)
+        target = torch.minimum(u * total, total * (1 - 1e-12))
+        return torch.searchsorted(cum, target, right=True).clamp_(max=V - 1).squeeze(1), total.squeeze(1)
+    nb, rem = divmod(V, BLOCK)
+    parts = [p[:, : nb * BLOCK].view(B, nb, BLOCK).sum(-1)] + ([p[:, nb * BLOCK:].sum(-1, keepdim=True)] if rem else [])
+    blk = torch.cat(parts, dim=1).double()  # (B, blocks)
+    cum = blk.cumsum(-1)  # (B, blocks)
+    total = _check_mass(cum[:, -1:])  # (B, 1)
+    target = torch.minimum(u * total, total * (1 - 1e-12))
+    j = torch.searchsorted(cum, target, right=True).clamp_(max=cum.shape[1] - 1)  # (B, 1) block
+    before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # (B, blocks) mass of the blocks before each one
+    r = target - before.gather(1, j)  # (B, 1) >= 0: cum[j - 1] <= target < cum[j]
+    idx = j * BLOCK + torch.arange(BLOCK, device=p.device)  # (B, BLOCK)
+    inner = p.gather(1, idx.clamp(max=V - 1)).double().masked_fill_(idx >= V, 0.0).cumsum(-1)  # (B, BLOCK)
+    r = torch.minimum(r, inner[:, -1:] * (1 - 1e-12))  # float32 block sums vs float64 inner sums
+    k = torch.searchsorted(inner, r, right=True).clamp_(max=BLOCK - 1)  # (B, 1)
+    return (j * BLOCK + k).squeeze(1), total.squeeze(1)
+
+
+def _check_mass(total: torch.Tensor) -> torch.Tensor:
+    if not bool(torch.isfinite(total).all() and (total > 0).all()):
+        raise ValueError("cannot sample: a row's scores are NaN/inf or mask out every token "
+                         f"(probability mass per row: {total.flatten().tolist()})")
+    return total
+
+
+class _Scratch:
+    """One (B, V) float32 buffer reused by every step of a generate call."""
+
+    def __init__(self):
+        self.buf: torch.Tensor | None = None
+
+    def like(self, x: torch.Tensor) -> torch.Tensor:
+        if self.buf is None or self.buf.shape != x.shape:
+            self.buf = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        return self.buf
+
+
+class _RawStats:
+    """First processor when top-k / top-p truncate: keeps the raw scores and their log-sum-exp at T, (B, 1)."""
+
+    def __init__(self, temperature: float, scratch: _Scratch):
+        self.inv_t, self.scratch = 1.0 / temperature, scratch
+        self.z: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        m = scores.amax(-1, keepdim=True)  # (B, 1)
+        d = torch.sub(scores, m, out=self.scratch.like(scores))
+        if self.inv_t != 1.0:
+            d.mul_(self.inv_t)
+        self.z = scores  # HF's warpers return new tensors and never write into this one
+        self.lse = m * self.inv_t + d.exp_().sum(-1, keepdim=True).log()
+        return scores
+
+
+class _Sampler:
+    """Last processor: samples one token per row from softmax(scores), records its log-prob under
+    softmax(raw scores / T), and returns scores whose argmax is that token (generate runs greedy).
+
+    raw=None: no warper ran, the scores are the raw ones and are tempered here (one exp
+    pass serves the sampling and the log-sum-exp); otherwise they are tempered and truncated.
+    """
+
+    def __init__(self, temperature: float, scratch: _Scratch, raw: _RawStats | None = None):
+        self.inv_t, self.scratch, self.raw = 1.0 / temperature, scratch, raw
+        self.logprobs: list[torch.Tensor] = []  # N x (B,)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        inv_t = self.inv_t if self.raw is None else 1.0
+        m = scores.amax(-1, keepdim=True)  # (B, 1); warpers keep >= 1 finite score per row
+        p = torch.sub(scores, m, out=self.scratch.like(scores))
+        if inv_t != 1.0:
+            p.mul_(inv_t)
+        tok, total = inverse_cdf_sample(p.exp_())
+        tok = tok[:, None]  # (B, 1)
+        if self.raw is None:
+            z, lse = scores, m * inv_t + total[:, None].log().float()
+        else:
+            z, lse = self.raw.z, self.raw.lse
+        self.logprobs.append((z.gather(1, tok) * self.inv_t - lse).squeeze(1))
+        return scores.fill_(float("-inf")).scatter_(1, tok, 0.0)
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """(B, N) log-probs of the N sampled tokens."""
         return torch.stack(self.logprobs, dim=1)
 
 
@@ -108,21 +217,34 @@ class HFBackend:
         for i, p in enumerate(prompts):
             input_ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
             attention_mask[i, L - len(p):] = 1
-        recorder = _LogprobRecorder(cfg.logprob_temperature)
-        processors = LogitsProcessorList([recorder, *self._warpers()])
+        recorder, processors = self._processors()
         criteria = StoppingCriteriaList([_StopOnStrings(self.tokenizer, cfg.all_stops, L)] if cfg.all_stops else [])
-        sampling = {} if cfg.greedy else dict(temperature=1.0, top_k=0, top_p=1.0)  # our warpers do the work
         with torch.inference_mode():
-            seq = self.model.generate(
+            seq = self.model.generate(  # greedy: sampling happens in our last processor
                 input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                max_new_tokens=cfg.max_new_tokens, do_sample=not cfg.greedy, num_beams=1,
-                repetition_penalty=1.0, no_repeat_ngram_size=0, eos_token_id=list(cfg.eos_token_ids),
-                pad_token_id=self.pad_id, logits_processor=processors, stopping_criteria=criteria, **sampling,
+                max_new_tokens=cfg.max_new_tokens, do_sample=False, num_beams=1, temperature=None, top_k=None,
+                top_p=None, repetition_penalty=1.0, no_repeat_ngram_size=0, eos_token_id=list(cfg.eos_token_ids),
+                pad_token_id=self.pad_id, logits_processor=LogitsProcessorList(processors),
+                stopping_criteria=criteria,
             )
             new = seq[:, L:]  # (B, N)
             logps = recorder.finish(seq)[:, : new.shape[1]]  # (B, N)
         new_l, logps_l = new.tolist(), logps.tolist()
         return [cut_sample(self.tokenizer, ids, lps, cfg) for ids, lps in zip(new_l, logps_l, strict=True)]
+
+    def _processors(self) -> tuple:
+        """(recorder with .finish, the logits-processor list) for greedy or sampled decoding."""
+        cfg = self.cfg
+        if cfg.greedy:
+            recorder = _LogprobRecorder(cfg.logprob_temperature)
+            return recorder, [recorder]
+        scratch = _Scratch()
+        if not cfg.truncates:  # one processor: temper, sample, record
+            recorder = _Sampler(cfg.temperature, scratch)
+            return recorder, [recorder]
+        raw = _RawStats(cfg.temperature, scratch)
+        recorder = _Sampler(cfg.temperature, scratch, raw)
+        return recorder, [raw, *self._warpers(), recorder]
 
     def _warpers(self) -> list:
         """Temperature, then top-k, then top-p (HF's order), applied after the recorder."""

@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 DEFAULT_CHUNK_SIZE = 512
-ROWS = 64  # row block for the softmax sums inside a chunk
+SCRATCH_BYTES = 16 * 2**20  # row blocks for the softmax sums inside a chunk stay under glibc's mmap threshold
 _VERIFIED: weakref.WeakSet = weakref.WeakSet()  # models whose head was checked once
 
 
@@ -121,6 +121,7 @@ class _LinearChunks:
         self.W = weight.float() if upcast else weight
         self.b = None if bias is None else bias.to(self.W.dtype)
         self.inv_temp = inv_temp
+        self._z = self._scratch = None  # (n, V) logits buffer and (rows, V) scratch, reused across chunks
         need_h, need_w, need_b = need
         self.grad_h = torch.zeros_like(like) if need_h else None  # (N, H)
         self.grad_w = torch.zeros(self.W.shape, dtype=torch.float32, device=self.W.device) if need_w else None
@@ -129,29 +130,51 @@ class _LinearChunks:
     def score(self, hc: torch.Tensor, yc: torch.Tensor, probs: bool, entropy: bool):
         """hc (n, H), yc (n,) -> logp (n,), entropy (n,) | None, softmax p (n, V) | None.
 
-        One (n, V) float32 buffer: the logits, turned into p in place; the
-        row-wise sums use (ROWS, V) temporaries.
+        The logits live in one (n, V) float32 buffer reused by every chunk of this
+        call; the row blocks leave exp(z - m) in it, so p is one multiply by 1 / S.
+        The row-wise sums use one (rows, V) scratch of <= SCRATCH_BYTES: fresh blocks
+        over 32 MiB are mmapped by glibc and page-faulted on every allocation.
         """
-        z = F.linear(hc.to(self.W.dtype), self.W, self.b).float().mul_(self.inv_temp)  # (n, V)
+        n, V = hc.shape[0], self.W.shape[0]
+        if self._z is None or self._z.shape[0] < n:
+            self._z = torch.empty((n, V), dtype=torch.float32, device=hc.device)
+        z = self._z[:n]  # (n, V)
+        h = hc.to(self.W.dtype)
+        if self.W.dtype != torch.float32:
+            z.copy_(F.linear(h, self.W, self.b))
+        elif self.b is None:
+            torch.mm(h, self.W.t(), out=z)
+        else:
+            torch.addmm(self.b, h, self.W.t(), out=z)
+        if self.inv_temp != 1.0:
+            z.mul_(self.inv_temp)
         logit_y = z.gather(1, yc[:, None]).squeeze(1)  # (n,)
         m = z.amax(dim=-1)  # (n,)
-        total = torch.empty_like(m)  # sum_v exp(z - m)
+        total = torch.empty_like(m)  # S = sum_v exp(z - m)
         ent = torch.empty_like(m) if entropy else None
-        for blk in _chunks(z.shape[0], ROWS):
-            zb = z[blk] - m[blk, None]  # (ROWS, V)
-            eb = torch.exp(zb)
-            total[blk] = eb.sum(-1)
+        rows = max(1, SCRATCH_BYTES // (4 * V))
+        if entropy and (self._scratch is None or self._scratch.shape[0] < min(rows, n)):
+            self._scratch = torch.empty((min(rows, n), V), dtype=torch.float32, device=hc.device)
+        for blk in _chunks(n, rows):
+            zb = z[blk]
             if entropy:  # H = log S - sum_v e_v (z_v - m) / S
-                ent[blk] = total[blk].log() - torch.bmm(eb.unsqueeze(1), zb.unsqueeze(2)).view(-1) / total[blk]
-            del zb, eb
+                d = torch.sub(zb, m[blk, None], out=self._scratch[: zb.shape[0]])  # (rows, V) z - m
+                eb = torch.exp(d, out=zb)  # z's rows now hold e = exp(z - m)
+                total[blk] = eb.sum(-1)
+                ent[blk] = total[blk].log() - torch.bmm(eb.unsqueeze(1), d.unsqueeze(2)).view(-1) / total[blk]
+            else:
+                total[blk] = zb.sub_(m[blk, None]).exp_().sum(-1)
         lse = m + total.log()
-        p = z.sub_(lse[:, None]).exp_() if probs else None
+        p = z.mul_(total.reciprocal()[:, None]) if probs else None  # e / S
         return logit_y - lse, ent, p
+
+    def free_buffers(self) -> None:
+        self._z = self._scratch = None
 
     def dlogp_dlogits(self, p: torch.Tensor, yc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Consumes p: scale * d logp / d z = scale * (onehot(y) - p), times 1/temperature, (n, V)."""
-        ones = torch.ones_like(scale)[:, None]
-        return p.neg_().scatter_add_(1, yc[:, None], ones).mul_(scale[:, None] * self.inv_temp)
+        s = (scale * self.inv_temp)[:, None]  # (n, 1)
+        return p.mul_(-s).scatter_add_(1, yc[:, None], s)
 
     def accumulate(self, g: torch.Tensor, hc: torch.Tensor, sl: slice) -> None:
         """Chain g = dL/dz (n, V) into the hidden-state, weight and bias gradients."""
@@ -242,6 +265,7 @@ class _FusedTokenLoss(torch.autograd.Function):
             if dl is not None:
                 head.accumulate(head.dlogp_dlogits(p, yc, dl.float()), hc, sl)
             del p
+        head.free_buffers()  # only the gradients are kept for backward
         ctx.head = head
         ctx.params = (weight, bias)
         ctx.mark_non_differentiable(logp, ent)
