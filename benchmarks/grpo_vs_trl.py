@@ -115,6 +115,30 @@ def _build(vocab: int):
     return tok, model
 
 
+class _Timers:
+    """Accumulated (wall, CPU) seconds of wrapped methods; wraps instance attributes, so only that object."""
+
+    def __init__(self):
+        self.acc: dict[str, tuple[float, float]] = {}
+
+    def wrap(self, obj, name: str, key: str | None = None) -> None:
+        fn = getattr(obj, name)
+        key = key or name
+
+        def timed(*a, **k):
+            c0 = _clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                c1, acc = _clock(), self.acc.get(key, (0.0, 0.0))
+                self.acc[key] = (acc[0] + c1[0] - c0[0], acc[1] + c1[1] - c0[1])
+
+        setattr(obj, name, timed)
+
+    def snapshot(self) -> dict[str, tuple[float, float]]:
+        return dict(self.acc)
+
+
 def run_ours(vocab: int, steps: int = 2, profile: str | None = None) -> dict:
     import torch
 
@@ -161,32 +185,6 @@ def run_ours(vocab: int, steps: int = 2, profile: str | None = None) -> dict:
                           "seq_shape": list(tb.batch.input_ids.shape), "trained_tokens": int(tb.mask.sum()),
                           "new_tokens": [len(r[-1].token_ids) for r in rollouts]})
     return {**setup, "steps": steps_out}
-
-
-class _Timers:
-    """Accumulating wall-clock timers around methods (instance attributes, so only this trainer)."""
-
-    def __init__(self):
-        self.acc: dict[str, tuple[float, float]] = {}
-        self.calls: dict[str, int] = {}
-
-    def wrap(self, obj, name: str, key: str | None = None) -> None:
-        fn = getattr(obj, name)
-        key = key or name
-
-        def timed(*a, **k):
-            c0 = _clock()
-            try:
-                return fn(*a, **k)
-            finally:
-                c1, acc = _clock(), self.acc.get(key, (0.0, 0.0))
-                self.acc[key] = (acc[0] + c1[0] - c0[0], acc[1] + c1[1] - c0[1])
-                self.calls[key] = self.calls.get(key, 0) + 1
-
-        setattr(obj, name, timed)
-
-    def snapshot(self) -> dict[str, tuple[float, float]]:
-        return dict(self.acc)
 
 
 def run_trl(vocab: int, steps: int = 2, profile: str | None = None) -> dict:
