@@ -108,3 +108,19 @@ def test_first_token_distribution_matches_the_model(setup, temperature, top_k, t
     untruncated = torch.log_softmax(logits / temperature, -1)  # log-probs are recorded before truncation
     got = torch.tensor([m.logprobs[0] for m in msgs], dtype=torch.float64)
     torch.testing.assert_close(got, untruncated[ids], atol=1e-4, rtol=0)
+
+
+def test_the_models_own_sampling_config_is_overridden(setup):
+    """A checkpoint's generation_config (do_sample, top_k=3, temperature=0.1) must not leak into sampling."""
+    tok, model, r, logits = setup
+    cfg = model.generation_config
+    saved = (cfg.do_sample, cfg.top_k, cfg.temperature, cfg.top_p)
+    cfg.do_sample, cfg.top_k, cfg.temperature, cfg.top_p = True, 3, 0.1, 0.5
+    try:
+        (msgs,) = ModelGenerate(model, tok, max_new_tokens=1, temperature=1.0, seed=9).group_generate([r], n=6000)
+    finally:
+        cfg.do_sample, cfg.top_k, cfg.temperature, cfg.top_p = saved
+    ids = torch.tensor([m.token_ids[0] for m in msgs])
+    probs = torch.softmax(logits, -1)
+    ok, stat, threshold = chi_square_ok(torch.bincount(ids, minlength=len(probs)), probs)
+    assert ok, f"chi-square {stat:.1f} >= {threshold:.1f}"
