@@ -85,9 +85,12 @@ def inverse_cdf_sample(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check_mass(total: torch.Tensor) -> torch.Tensor:
-    if not bool(torch.isfinite(total).all() and (total > 0).all()):
-        raise ValueError("cannot sample: a row's scores are NaN/inf or mask out every token "
-                         f"(probability mass per row: {total.flatten().tolist()})")
+    """total (B, 1) probability mass per row; raises when a row cannot be sampled from."""
+    bad = ~(torch.isfinite(total) & (total > 0))
+    if bool(bad.any()):
+        rows = bad.flatten().nonzero().flatten().tolist()
+        raise ValueError(f"cannot sample: the scores of {len(rows)} of {total.shape[0]} rows are NaN/inf or "
+                         f"mask out every token (first rows: {rows[:8]})")
     return total
 
 
