@@ -2,16 +2,16 @@
 
 Legend: B batch (prompts x n samples), L longest prompt, N new tokens, V vocab.
 
-The sampling warpers (temperature, top-k, top-p) are ours and run after a recorder
-that sees the raw logits, so the recorded log-probs are log_softmax(logits / T)
-before truncation. The model's own generation-config sampling settings are
-overridden (HF would otherwise apply e.g. its default top_k=50).
-
-Sampling happens in the last logits processor (`_Sampler`, inverse CDF: one uniform
-per row) and `generate` runs greedy, so HF's argmax picks the sampled token. HF's own
-sampling is `torch.multinomial`, an exponential race whose CPU RNG costs ~18 ns per
-vocabulary entry (187 ms per step at B=64, V=151,936); the (B, V) temporaries live
-in one buffer reused across steps.
+Recorded log-probs are log_softmax(raw logits / T) of the chosen token, before any
+top-k / top-p truncation. Greedy: `_LogprobRecorder` keeps each step's log-softmax and
+gathers the token HF picked. Sampling: the last logits processor (`_Sampler`, inverse
+CDF, one uniform per row) draws the token and records its log-prob, and `generate`
+runs greedy so HF's argmax takes that token; with top-k / top-p, `_RawStats` first keeps
+the raw scores, then the warpers (temperature, top-k, top-p: ours, in HF's order)
+truncate. HF's own sampling is `torch.multinomial`, an exponential race whose CPU RNG
+costs ~18 ns per vocabulary entry (187 ms per step at B=64, V=151,936); the (B, V)
+temporaries live in one buffer reused across steps. The model's own generation-config
+sampling settings are overridden (HF would otherwise apply e.g. its default top_k=50).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from SimpleTorchLLMRL.model.generate import Sample, SamplingConfig, cut_sample, 
 
 
 class _LogprobRecorder:
-    """Logits processor placed before any warper: records log p(sampled) under logits / T.
+    """Greedy decoding's logits processor: records log p(chosen) under logits / T.
 
     At step t it sees the raw (B, V) scores; the token sampled from them shows up as
     input_ids[:, -1] at step t + 1 (the last one is gathered by `finish`). Only one
@@ -250,7 +250,7 @@ class HFBackend:
         return recorder, [raw, *self._warpers(), recorder]
 
     def _warpers(self) -> list:
-        """Temperature, then top-k, then top-p (HF's order), applied after the recorder."""
+        """Temperature, then top-k, then top-p (HF's order), between `_RawStats` and `_Sampler`."""
         from transformers.generation.logits_process import (
             TemperatureLogitsWarper,
             TopKLogitsWarper,
@@ -258,8 +258,6 @@ class HFBackend:
         )
 
         cfg = self.cfg
-        if cfg.greedy:
-            return []
         out = [TemperatureLogitsWarper(float(cfg.temperature))] if cfg.temperature != 1 else []
         if cfg.top_k:
             out.append(TopKLogitsWarper(top_k=cfg.top_k))
