@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from SimpleTorchLLMRL.env import ToolUseEnv, collect_rollouts
+from SimpleTorchLLMRL.env import ToolUseEnv, collect_rollouts, tool_stats
 from SimpleTorchLLMRL.logging import MetricsLogger
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.reward import FunctionReward, extract_boxed
@@ -119,14 +119,11 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-        episodes = [r.metadata["env_state"] for r in rollouts]
         m = grpo.metrics
         logger.log(step, {
             "reward/mean": rewards.mean(), "solved": (rewards == 1.0).float().mean(),
             "boxed": (rewards > 0).float().mean(),
-            "tool/call_rate": sum(e.num_tool_calls > 0 for e in episodes) / len(rollouts),
-            "tool/calls": sum(e.num_tool_calls for e in episodes) / len(rollouts),
-            "tool/errors": sum(e.tool_errors for e in episodes) / len(rollouts),
+            **tool_stats(rollouts),
             "loss": loss.detach(), "grad_norm": grad_norm, "entropy": m["entropy"],
             "frac_constant_groups": m["frac_constant_groups"], "seconds": round(time.time() - start, 1),
         })

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from SimpleTorchLLMRL.chat.message import MessageType
-from SimpleTorchLLMRL.env import ToolUseEnv, collect_rollouts
+from SimpleTorchLLMRL.env import ToolUseEnv, collect_rollouts, tool_stats
 from SimpleTorchLLMRL.logging import MetricsLogger
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.reward import BoxedReward, CombinedReward, FormatReward
@@ -38,14 +38,11 @@ from SimpleTorchLLMRL.tools import calculator
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
 
 
-def tool_stats(rollouts) -> dict[str, float]:
-    """Per-rollout means of what the env recorded: tool calls, failed calls, MODEL turns, how episodes ended."""
-    eps = [r.metadata["env_state"] for r in rollouts]
+def episode_stats(rollouts) -> dict[str, float]:
+    """Tool statistics, plus per-rollout means of MODEL turns and of turns cut at max_new_tokens."""
     n = len(rollouts)
     return {
-        "tool/call_rate": sum(e.num_tool_calls > 0 for e in eps) / n,  # rollouts with at least one call
-        "tool/calls": sum(e.num_tool_calls for e in eps) / n,
-        "tool/errors": sum(e.tool_errors for e in eps) / n,
+        **tool_stats(rollouts),
         "turns": sum(r.metadata["turns"] for r in rollouts) / n,
         "truncated": sum(r.last(MessageType.MODEL).finish_reason == "length" for r in rollouts) / n,
     }
@@ -95,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
 
         m = grpo.metrics
         logger.log(step, {
-            "reward/mean": rewards.mean(), **reward_fn.metrics(), **tool_stats(rollouts),
+            "reward/mean": rewards.mean(), **reward_fn.metrics(), **episode_stats(rollouts),
             "loss": loss.detach(), "grad_norm": grad_norm, "entropy": m["entropy"], "clip_frac": m["clip_frac"],
             "frac_constant_groups": m["frac_constant_groups"], "tokens": m["num_tokens"],
             "seconds": round(time.time() - start, 1),

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from SimpleTorchLLMRL.chat.message import MessageType, Rollout
+from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import rollouts_to_batch
-from SimpleTorchLLMRL.env import CodeEnv, QASolverEnv, ToolEpisode, ToolUseEnv, collect_rollouts
+from SimpleTorchLLMRL.env import CodeEnv, QASolverEnv, ToolEpisode, ToolUseEnv, collect_rollouts, tool_stats
 from SimpleTorchLLMRL.tools import PythonSandbox, ToolRegistry, calculator, format_json_call
 from tests.scripted_agent import ScriptedGenerator, assert_only_model_turns_trained, run_scripted
 
@@ -156,3 +156,11 @@ def test_code_env_reward_cases(code_env):
     single = CodeEnv(PythonSandbox(timeout=5), run_code=False)
     rollout, done = run_scripted(single, "q", TESTS, [GOOD])
     assert done and roles(rollout)[-1] is MessageType.MODEL and single.reward(rollout, rollout.metadata["env_state"]) == 1.0
+
+
+def test_tool_stats_are_per_rollout_means_of_the_episode_states():
+    states = [ToolEpisode(tool_calls={"calculator": 2}, tool_errors=1), ToolEpisode(),
+              ToolEpisode(tool_calls={"calculator": 1, "search": 1}), ToolEpisode(tool_errors=1)]
+    rollouts = [Rollout([Message("q")], metadata={"env_state": s}) for s in states]
+    assert tool_stats(rollouts) == {"tool/call_rate": 0.5, "tool/calls": 1.0, "tool/errors": 0.5}
+    assert tool_stats([]) == {"tool/call_rate": 0.0, "tool/calls": 0.0, "tool/errors": 0.0}

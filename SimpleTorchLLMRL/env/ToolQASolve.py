@@ -57,6 +57,20 @@ class ToolEpisode:
         return sum(self.tool_calls.values())
 
 
+def tool_stats(rollouts: Sequence[Rollout]) -> dict[str, float]:
+    """Per-rollout means of the `ToolEpisode` states `collect_rollouts` left in `metadata["env_state"]`.
+
+    tool/call_rate: rollouts with at least one call; tool/calls: calls; tool/errors: failed calls.
+    """
+    episodes = [r.metadata["env_state"] for r in rollouts]
+    n = max(1, len(episodes))
+    return {
+        "tool/call_rate": sum(e.num_tool_calls > 0 for e in episodes) / n,
+        "tool/calls": sum(e.num_tool_calls for e in episodes) / n,
+        "tool/errors": sum(e.tool_errors for e in episodes) / n,
+    }
+
+
 class ToolUseEnv(Env):
     """Tools as an environment.
 

@@ -4,7 +4,7 @@ from SimpleTorchLLMRL.env.base import Env, SingleTurnEnv
 from SimpleTorchLLMRL.env.code import CodeEnv
 from SimpleTorchLLMRL.env.QASolve import QASolverEnv
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
-from SimpleTorchLLMRL.env.ToolQASolve import ToolEpisode, ToolUseEnv
+from SimpleTorchLLMRL.env.ToolQASolve import ToolEpisode, ToolUseEnv, tool_stats
 from SimpleTorchLLMRL.env.triggers import CodeTrigger, NoneTrigger, Trigger, TriggerEnv, TriggerEpisode
 
 __all__ = [
@@ -20,5 +20,6 @@ __all__ = [
     "TriggerEnv",
     "TriggerEpisode",
     "collect_rollouts",
+    "tool_stats",
 ]
 
