@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
-from SimpleTorchLLMRL.chat.tokenize import collate, encode_prompt, encode_rollout, encode_rollouts
+from SimpleTorchLLMRL.chat.tokenize import as_sampled, collate, encode_prompt, encode_rollout, encode_rollouts
 
 S, U, M, T = MessageType.SYSTEM, MessageType.MESSAGE, MessageType.MODEL, MessageType.TOOL
 
@@ -108,16 +108,18 @@ def test_sampled_ids_used_verbatim_even_when_not_canonical(chatml_tokenizer):
     prompt_ids = encode_prompt(prompt, tok)
     r = prompt.copy().add_messages(Message(text, M, token_ids=sampled, logprobs=logps, temperature=0.7))
     enc = encode_rollout(r, tok)
-    # The invariant: prompt ids + sampled ids are a prefix of the encoding.
-    assert enc.input_ids[: len(prompt_ids) + len(sampled)] == prompt_ids + sampled
-    # The sampled end-of-turn token is not duplicated: only the template's "\n" follows.
-    assert enc.input_ids[len(prompt_ids) + len(sampled):] == ids(tok, "\n")
-    assert enc.loss_mask == [0] * len(prompt_ids) + [1] * len(sampled) + [0]
+    # As sampled: the prompt the generator saw, then exactly the sampled ids (the end-of-turn is not doubled).
+    assert enc.input_ids == prompt_ids + sampled
+    assert enc.loss_mask == [0] * len(prompt_ids) + [1] * len(sampled)
+    assert enc.message_index == [-1] * len(prompt_ids) + [1] * len(sampled)
     lp = enc.old_logprobs
-    assert all(math.isnan(x) for x in lp[: len(prompt_ids)]) and math.isnan(lp[-1])
-    assert lp[len(prompt_ids): len(prompt_ids) + len(sampled)] == pytest.approx(logps)
+    assert all(math.isnan(x) for x in lp[: len(prompt_ids)])
+    assert lp[len(prompt_ids):] == pytest.approx(logps)
     assert enc.sampling_temperature == 0.7
-    assert tok.decode(enc.input_ids) == tok.apply_chat_template(r.to_chat(), tokenize=False)
+    # The next turn's prompt continues after the sampled <|im_end|> with the template's own text.
+    r.add_messages(Message("And 8*9?", U))
+    nxt = encode_prompt(r, tok)
+    assert nxt == prompt_ids + sampled + ids(tok, "\n<|im_start|>user\nAnd 8*9?<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_truncated_sample_gets_untrained_end_of_turn(chatml_tokenizer):
@@ -127,10 +129,13 @@ def test_truncated_sample_gets_untrained_end_of_turn(chatml_tokenizer):
     prompt_ids = encode_prompt(prompt, tok)
     r = prompt.copy().add_messages(Message("The answer", M, token_ids=sampled, logprobs=[-1.0] * len(sampled),
                                            finish_reason="length"))
+    assert encode_rollout(r, tok).input_ids == prompt_ids + sampled
+    # When the episode goes on, the template's end-of-turn the model did not sample is context, not trained.
+    r.add_messages(Message("go on", U))
     enc = encode_rollout(r, tok)
-    im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    assert enc.input_ids == prompt_ids + sampled + [im_end] + ids(tok, "\n")
-    assert enc.loss_mask == [0] * len(prompt_ids) + [1] * len(sampled) + [0, 0]
+    tail = ids(tok, "<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n")
+    assert enc.input_ids == prompt_ids + sampled + tail
+    assert enc.loss_mask == [0] * len(prompt_ids) + [1] * len(sampled) + [0] * len(tail)
 
 
 def test_multi_turn_prefix_invariant(chatml_tokenizer, llama3_tokenizer, plain_tokenizer):
@@ -254,11 +259,95 @@ def test_mixed_sampling_temperatures_rejected(chatml_tokenizer):
         encode_rollout(r, chatml_tokenizer)
 
 
-def test_prefix_unstable_template_is_named():
+def _with_template(template: str):
     from SimpleTorchLLMRL.tiny import tiny_tokenizer
 
     tok = tiny_tokenizer("chatml")
-    # A template that only shows the last message is not prefix-stable.
-    tok.chat_template = "{{ messages[-1].content }}"
-    with pytest.raises(ValueError, match="not prefix-stable at message 1"):
-        encode_rollout(Rollout([Message("one", U), Message("two", M)]), tok)
+    tok.chat_template = template
+    return tok
+
+
+CHATML_TURN = "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+GEN = "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+
+
+def test_template_dropping_tool_messages_is_named():
+    tok = _with_template("{% for m in messages %}{% if m.role != 'tool' %}" + CHATML_TURN + "{% endif %}{% endfor %}"
+                         + GEN)
+    r = Rollout([Message("q", U), Message("call", M), Message("result 27", T), Message("It is 27.", M)])
+    with pytest.raises(ValueError, match="drops TOOL messages"):
+        encode_rollout(r, tok)
+    sampled = Rollout([Message("q", U), Message("call", M, token_ids=ids(tok, "call") + [tok.eos_token_id]),
+                       Message("27", T)])
+    with pytest.raises(ValueError, match="drops TOOL messages"):
+        encode_prompt(sampled, tok)
+
+
+def test_template_stripping_reasoning_is_named_for_hand_written_turns_only():
+    strip = ("{% for m in messages %}{% set c = m.content %}{% if m.role == 'assistant' and not loop.last %}"
+             "{% set c = c.split('</think>')[-1] %}{% endif %}{{ '<|im_start|>' + m.role + '\\n' + c + "
+             "'<|im_end|>\\n' }}{% endfor %}" + GEN)
+    tok = _with_template(strip)
+    r = Rollout([Message("q", U), Message("<think>hmm</think>five", M), Message("again", U), Message("six", M)])
+    with pytest.raises(ValueError, match=r"message 1 \(assistant\): the chat template strips the reasoning"):
+        encode_rollout(r, tok)
+    # As sampled, the turn is what the model produced; later prompts never re-render it.
+    first = Rollout([Message("q", U)])
+    p1 = encode_prompt(first, tok)
+    s1 = ids(tok, "<think>hmm</think>five") + [tok.eos_token_id]
+    first.add_messages(Message("<think>hmm</think>five", M, token_ids=s1), Message("again", U))
+    assert encode_prompt(first, tok)[: len(p1) + len(s1)] == p1 + s1
+
+
+def test_template_rejecting_role_order_is_named():
+    tok = _with_template("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools here') }}"
+                         "{% endif %}" + CHATML_TURN + "{% endfor %}" + GEN)
+    with pytest.raises(ValueError, match=r"rejects the conversation \[user, assistant, tool\]: no tools here"):
+        encode_rollout(Rollout([Message("q", U), Message("a", M), Message("r", T)]), tok)
+
+
+def test_turn_closed_by_another_special_token_trains_that_token():
+    # Agent "bob" turns close with <|endoftext|>, which no probe of a plain assistant turn shows.
+    tok = _with_template("{% for m in messages %}{% if m.name == 'bob' %}"
+                         "{{ '<|im_start|>assistant\\n' + m.content + '<|endoftext|>' }}{% else %}" + CHATML_TURN
+                         + "{% endif %}{% endfor %}" + GEN)
+    r = Rollout([Message("q", U), Message("mine", M, name="bob"), Message("next", U), Message("ok", M)])
+    enc = encode_rollout(r, tok)
+    trained = tok.decode([i for i, m in zip(enc.input_ids, enc.loss_mask, strict=True) if m])
+    assert trained == "mine<|endoftext|>ok<|im_end|>"
+
+
+def test_turn_whose_end_cannot_be_found_is_refused_not_mis_masked():
+    # Tool-call turns end with plain text, so the first end-of-turn after them is inside the tool result.
+    tok = _with_template("{% for m in messages %}{% if m.tool_calls %}{{ '<|im_start|>assistant\\n<call>' + "
+                         "m.tool_calls[0].function.name + '</call>' }}{% else %}" + CHATML_TURN + "{% endif %}"
+                         "{% endfor %}" + GEN)
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "3*9"}}}
+    r = Rollout([Message("q", U), Message("", M, tool_calls=[call]), Message("27", T), Message("ok", M)])
+    with pytest.raises(ValueError, match="not one of its end-of-turn tokens"):
+        encode_rollout(r, tok)
+
+
+def test_structured_tool_calls_are_trained_with_the_turn(chatml_tokenizer):
+    tok = chatml_tokenizer
+    call = {"type": "function", "id": "c1", "function": {"name": "calculator", "arguments": {"expression": "3*9"}}}
+    r = Rollout([Message("Compute 3*9.", U), Message("Let me compute.", M, tool_calls=[call]),
+                 Message("27", T, tool_call_id="c1"), Message("27.", M)])
+    text = tok.apply_chat_template(r.to_chat(), tokenize=False)
+    enc = encode_rollout(r, tok)
+    assert enc.input_ids == tok(text, add_special_tokens=False)["input_ids"]
+    trained = tok.decode([i for i, m in zip(enc.input_ids, enc.loss_mask, strict=True) if m])
+    want = ('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "3*9"}}\n'
+            '</tool_call><|im_end|>27.<|im_end|>')
+    assert trained == want
+    assert r.to_chat()[2]["tool_call_id"] == "c1"
+
+
+def test_as_sampled_turns_hand_written_replies_into_sampled_ids(chatml_tokenizer):
+    tok = chatml_tokenizer
+    r = Rollout([Message("What is 2+2?", U), Message("It is 4.", M)])
+    enc = encode_rollout(as_sampled(r, tok), tok)
+    want = encode_prompt(Rollout([Message("What is 2+2?", U)]), tok) + ids(tok, "It is 4.") + ids(tok, "<|im_end|>")
+    assert enc.input_ids == want
+    assert sum(enc.loss_mask) == len(ids(tok, "It is 4.")) + 1
+    assert r[1].token_ids is None  # the original is untouched

@@ -55,7 +55,9 @@ class Message:
     `token_ids` / `logprobs` are what a generator actually sampled for a MODEL
     turn (the stop/EOS token included when it was sampled); the tokenizer uses
     them verbatim and never re-tokenizes `content`. `temperature` is the
-    sampling temperature those log-probs are under.
+    sampling temperature those log-probs are under. `tool_calls` are structured
+    calls of a MODEL turn (OpenAI style); `tool_call_id` names the call a TOOL
+    message answers (Mistral and OpenAI-style templates need it).
     """
 
     content: str
@@ -65,6 +67,7 @@ class Message:
     token_ids: list[int] | None = field(default=None, kw_only=True)
     logprobs: list[float] | None = field(default=None, kw_only=True)
     tool_calls: list[dict[str, Any]] | None = field(default=None, kw_only=True)
+    tool_call_id: str | None = field(default=None, kw_only=True)
     finish_reason: str | None = field(default=None, kw_only=True)
     temperature: float | None = field(default=None, kw_only=True)
 
@@ -87,6 +90,8 @@ class Message:
                 )
             if any(math.isnan(x) or x > 1e-4 for x in self.logprobs):
                 raise ValueError("Message logprobs must be log-probabilities (<= 0, not NaN)")
+        if self.tool_call_id is not None and not isinstance(self.tool_call_id, str):
+            raise TypeError(f"Message tool_call_id must be a str or None, got {type(self.tool_call_id).__name__}")
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS} or None, got {self.finish_reason!r}")
 
@@ -102,12 +107,14 @@ class Message:
         return self.type is MessageType.MODEL
 
     def to_dict(self) -> dict[str, Any]:
-        """The chat-template form: role, content, and name / tool_calls when set."""
+        """The chat-template form: role, content, and name / tool_calls / tool_call_id when set."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls:
             out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -128,7 +135,7 @@ class Rollout:
                 raise ValueError(f"chat turn {i} needs 'role' and 'content' keys, got {sorted(turn)}")
             msgs.append(
                 Message(turn["content"], MessageType.from_role(turn["role"]), name=turn.get("name"),
-                        tool_calls=turn.get("tool_calls"))
+                        tool_calls=turn.get("tool_calls"), tool_call_id=turn.get("tool_call_id"))
             )
         return cls(msgs, metadata)
 

@@ -2,33 +2,46 @@
 
 Legend: B batch, T tokens.
 
-With a chat template the rollout is rendered incrementally: message i's text
-is `render(messages[:i+1])[len(render(messages[:i])):]`, split into
-header | content | suffix by rendering a sentinel in place of the content. The
-header and suffix are the template's own text; the content is the message's
-text, or for a MODEL turn that carries `token_ids`, those ids verbatim (never
-re-tokenized). A trainable turn's mask covers its content and its end-of-turn
-token (the suffix's first token when that is a special token), never the
-header nor any other message.
+Two ways a rollout becomes tokens, both token-exact on real tokenizers:
+
+- As sampled (any MODEL message carries the generator's `token_ids`): the ids
+  are exactly what the generator was conditioned on at each turn followed by
+  what it sampled, never re-rendered. The first prompt is the template's
+  rendering of the messages before the first sampled turn (with the generation
+  prompt), tokenized whole. After each sampled turn comes the template's
+  rendering of just the next messages (see `ChatTemplate.continuation`) and the
+  generation prompt. The loss mask is 1 on the sampled ids of trainable turns
+  (and on any message explicitly made trainable in between).
+- Canonical (hand-written rollouts, no `token_ids`): the template's rendering
+  of the whole conversation, tokenized whole, so the ids equal
+  `apply_chat_template(..., tokenize=True)`. A trainable assistant turn's mask
+  covers what the model produces for it: from the end of the generation prompt
+  through its end-of-turn token (content, tool-call text, end-of-turn); masks
+  come from the tokenizer's character offsets and a token that straddles a
+  trained span and non-whitespace template text raises.
 
 Without a chat template (GPT-2 style) the messages' texts are concatenated;
 a MODEL turn without sampled ids ends with the EOS token (trained).
 
 The invariant the generator relies on: `encode_prompt(rollout)` followed by
-the ids it sampled is exactly a prefix of `encode_rollout(rollout + reply)`.
+the ids it sampled is exactly a prefix of `encode_rollout(rollout + reply)`,
+and `encode_prompt` at turn k starts with `encode_prompt` at turn k-1 plus the
+ids sampled then. Where exactness cannot hold, a ValueError names the cause.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+from SimpleTorchLLMRL.chat.template import ChatTemplate, chat_template_for
 
 NAN = float("nan")
-_SENTINEL = "\u2063STLR\u2063SENTINEL\u2063"  # invisible separators: never trimmed, never in real text
 
 
 @dataclass
@@ -37,12 +50,15 @@ class EncodedRollout:
 
     old_logprobs[t] is the sampled log-prob of input_ids[t] (NaN where the
     token was not sampled by a generator); None when no message carries any.
+    message_index[t] is the index of the message whose sampled or trained
+    token input_ids[t] is, -1 for template text and untrained messages.
     """
 
     input_ids: list[int]
     loss_mask: list[int]
     old_logprobs: list[float] | None
     sampling_temperature: float | None = None
+    message_index: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -56,6 +72,7 @@ class Batch:
     attention_mask long  1 on real tokens
     loss_mask      long  1 on trainable tokens
     old_logprobs   float sampled log-prob of input_ids[:, t], NaN where unknown; None if no rollout has any
+    message_index  long  the message a sampled / trained token belongs to, -1 elsewhere (None if not known)
     """
 
     input_ids: torch.Tensor
@@ -63,19 +80,25 @@ class Batch:
     loss_mask: torch.Tensor
     old_logprobs: torch.Tensor | None = None
     sampling_temperature: float | None = None
+    message_index: torch.Tensor | None = None
+
+    def _map(self, fn) -> Batch:
+        keep = lambda t: None if t is None else fn(t)  # noqa: E731
+        return Batch(fn(self.input_ids), fn(self.attention_mask), fn(self.loss_mask), keep(self.old_logprobs),
+                     self.sampling_temperature, keep(self.message_index))
 
     def to(self, device) -> Batch:
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return Batch(move(self.input_ids), move(self.attention_mask), move(self.loss_mask),
-                     move(self.old_logprobs), self.sampling_temperature)
+        return self._map(lambda t: t.to(device))
 
     def __getitem__(self, index) -> Batch:
         """Select rows (an int, slice or index tensor), e.g. for micro-batching."""
         if isinstance(index, int):
             index = slice(index, index + 1)
-        pick = lambda t: None if t is None else t[index]  # noqa: E731
-        return Batch(pick(self.input_ids), pick(self.attention_mask), pick(self.loss_mask),
-                     pick(self.old_logprobs), self.sampling_temperature)
+        return self._map(lambda t: t[index])
+
+    def columns(self, T: int) -> Batch:
+        """The first T columns (e.g. trimmed of all-padding columns)."""
+        return self._map(lambda t: t[:, :T])
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -89,165 +112,29 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def _render(tokenizer, chat: list[dict], rollout: Rollout, add_generation_prompt: bool) -> str:
-    if not chat and not add_generation_prompt:
-        return ""
-    kwargs = dict(rollout.metadata.get("chat_template_kwargs") or {})
-    tools = rollout.metadata.get("tools")
-    return tokenizer.apply_chat_template(
-        chat, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-    )
+# ---------------------------------------------------------------------- plan: text pieces and sampled ids
 
 
-def _shape_key(chat: list[dict], i: int) -> tuple:
-    """What a template's header/suffix for message i may depend on besides the prefix text."""
-    m = chat[i]
-    return (i == 0, m["role"], m.get("name"), repr(m.get("tool_calls")))
+@dataclass
+class _Text:
+    """Text to tokenize whole. Its first `skip` characters are an anchor token whose ids are dropped.
 
-
-def _segments_with_template(rollout: Rollout, tokenizer, cache: dict) -> list[tuple[str, str, str]]:
-    """(header, rendered content, suffix) text for each message, in order.
-
-    Message i's text is render(messages[:i+1]) minus render(messages[:i]). Its
-    header/suffix come from rendering a sentinel in place of the content; that
-    split is cached per message shape and reused only when the real render is
-    exactly prev + header + content (verbatim or trimmed) + suffix.
+    spans: (message index, start, end) character spans whose tokens are trained.
     """
-    chat = rollout.to_chat()
-    fast = _segments_from_cache(rollout, tokenizer, chat, cache)
-    if fast is not None:
-        return fast
-    out = []
-    prev = ""
-    for i in range(len(chat)):
-        full = _render(tokenizer, chat[: i + 1], rollout, False)
-        if not full.startswith(prev):
-            raise ValueError(
-                f"the chat template is not prefix-stable at message {i} ({chat[i]['role']}): rendering "
-                "messages[:i+1] does not extend the rendering of messages[:i], so per-message token masks "
-                "cannot be derived. Use a template that renders earlier turns unchanged."
-            )
-        seg = full[len(prev):]
-        key = _shape_key(chat, i)
-        split = _split_with(seg, cache.get(key), chat[i]["content"])
-        if split is None:
-            probe = _render(tokenizer, chat[:i] + [dict(chat[i], content=_SENTINEL)], rollout, False)
-            if not probe.startswith(prev) or probe.count(_SENTINEL) != 1:
-                raise ValueError(f"the chat template renders message {i} ({chat[i]['role']}) inconsistently")
-            head, tail = probe[len(prev):].split(_SENTINEL)
-            if not (seg.startswith(head) and seg.endswith(tail) and len(seg) >= len(head) + len(tail)):
-                raise ValueError(f"the chat template renders message {i} ({chat[i]['role']}) inconsistently")
-            cache[key] = (head, tail)
-            split = (head, seg[len(head): len(seg) - len(tail)], tail)
-        msg = rollout[i]
-        if msg.type is MessageType.MODEL and msg.token_ids is not None and i > 0:
-            _check_generation_header(tokenizer, chat, rollout, i, prev, split[0], cache)
-        out.append(split)
-        prev = full
-    return out
+
+    text: str
+    skip: int = 0
+    spans: tuple = ()
 
 
-def _segments_from_cache(rollout, tokenizer, chat, cache) -> list[tuple[str, str, str]] | None:
-    """One render of the whole conversation, split by cached per-shape header/suffix pairs.
+@dataclass
+class _Ids:
+    """Ids used verbatim: a sampled turn (with its log-probs) or an EOS token."""
 
-    Accepted only when the render is exactly the concatenation of every
-    message's cached header + content + suffix (each learned from a prefix
-    render where that shape came last) and every sampled turn's generation
-    header was checked: otherwise None, and the incremental path runs.
-    """
-    pairs = [cache.get(_shape_key(chat, i)) for i in range(len(chat))]
-    if not chat or any(p is None for p in pairs):
-        return None
-    for i, (msg, (head, _)) in enumerate(zip(rollout, pairs, strict=True)):
-        if msg.type is MessageType.MODEL and msg.token_ids is not None and i > 0:
-            if ("generation-header", head) not in cache:
-                return None
-    full = _render(tokenizer, chat, rollout, False)
-    out, pos = [], 0
-    for turn, (head, tail) in zip(chat, pairs, strict=True):
-        for rendered in (turn["content"], turn["content"].strip()):
-            piece = head + rendered + tail
-            if full.startswith(piece, pos):
-                out.append((head, rendered, tail))
-                pos += len(piece)
-                break
-        else:
-            return None
-    return out if pos == len(full) else None
-
-
-def _split_with(seg: str, head_tail: tuple[str, str] | None, content: str) -> tuple[str, str, str] | None:
-    if head_tail is None:
-        return None
-    head, tail = head_tail
-    for rendered in (content, content.strip()):
-        if len(seg) == len(head) + len(rendered) + len(tail) and seg == head + rendered + tail:
-            return head, rendered, tail
-    return None
-
-
-def _check_generation_header(tokenizer, chat, rollout, i, prev, head, cache) -> None:
-    """Sampled ids sit after the generation prompt's header: it must be the history's header."""
-    key = ("generation-header", head)
-    if key in cache:
-        return
-    gen_head = _render(tokenizer, chat[:i], rollout, True)[len(prev):]
-    if gen_head != head:
-        raise ValueError(
-            f"message {i}: the template's generation prompt {gen_head!r} differs from the header "
-            f"{head!r} it renders for the same turn in history, so sampled token ids cannot be placed"
-        )
-    cache[key] = True
-
-
-def _options_key(rollout: Rollout) -> str:
-    return repr((rollout.metadata.get("tools"), rollout.metadata.get("chat_template_kwargs")))
-
-
-def _generation_header(rollout: Rollout, tokenizer) -> str:
-    chat = rollout.to_chat()
-    with_prompt = _render(tokenizer, chat, rollout, True)
-    base = _render(tokenizer, chat, rollout, False)
-    if not with_prompt.startswith(base):
-        raise ValueError("the chat template's generation prompt does not extend the conversation text")
-    return with_prompt[len(base):]
-
-
-class _Builder:
-    """Accumulates ids, mask and log-probs for one rollout."""
-
-    def __init__(self):
-        self.ids: list[int] = []
-        self.mask: list[int] = []
-        self.logprobs: list[float] = []
-        self.any_logprobs = False
-
-    def add(self, ids, trainable: bool, logprobs=None):
-        self.ids.extend(ids)
-        self.mask.extend([int(trainable)] * len(ids))
-        if logprobs is None:
-            self.logprobs.extend([NAN] * len(ids))
-        else:
-            self.logprobs.extend(logprobs)
-            self.any_logprobs = True
-
-
-def _tokenize_all(tokenizer, texts: list[str]) -> list[list[int]]:
-    """Tokenize many text pieces at once: each distinct piece once, in one batched call.
-
-    Headers and suffixes repeat across messages, so deduplication saves most of the work;
-    a fast tokenizer's Rust backend encodes the batch without the Python wrapper's overhead.
-    """
-    unique = [t for t in dict.fromkeys(texts) if t]
-    if not unique:
-        return [[] for _ in texts]
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        encoded = [e.ids for e in backend.encode_batch(unique, add_special_tokens=False)]
-    else:
-        encoded = tokenizer(unique, add_special_tokens=False)["input_ids"]
-    table = dict(zip(unique, encoded, strict=True))
-    return [table[t] if t else [] for t in texts]
+    ids: list[int]
+    index: int
+    trained: bool
+    logprobs: list[float] | None = None
 
 
 def _check_sampled(msg: Message, index: int) -> None:
@@ -255,70 +142,127 @@ def _check_sampled(msg: Message, index: int) -> None:
         raise ValueError(f"message {index} is a {msg.type.name} message with token_ids; only MODEL turns are sampled")
 
 
-def _plan(rollout: Rollout, tokenizer, cache: dict) -> list[tuple]:
-    """Text pieces to tokenize for one rollout: (kind, payload) in order."""
-    plan = []
-    if has_chat_template(tokenizer):
-        segments = _segments_with_template(rollout, tokenizer, cache)
-        for i, (msg, (head, content, tail)) in enumerate(zip(rollout, segments, strict=True)):
-            _check_sampled(msg, i)
-            plan.append(("templated", msg, head, content, tail))
-    else:
-        for i, msg in enumerate(rollout):
-            _check_sampled(msg, i)
-            plan.append(("plain", msg, msg.content))
+def _template(rollout: Rollout, tokenizer) -> ChatTemplate:
+    return chat_template_for(tokenizer, rollout.metadata.get("tools"), rollout.metadata.get("chat_template_kwargs"))
+
+
+def _plan(rollout: Rollout, tokenizer, for_prompt: bool) -> list:
+    for i, m in enumerate(rollout):
+        _check_sampled(m, i)
+    if not has_chat_template(tokenizer):
+        return _plain_plan(rollout, tokenizer)
+    ct = _template(rollout, tokenizer)
+    chat = rollout.to_chat()
+    sampled = [i for i, m in enumerate(rollout) if m.token_ids is not None]
+    plan: list = []
+    start, prev = 0, None
+    for s in sampled + [len(chat)]:
+        last = s == len(chat)
+        gen = for_prompt if last else True
+        # a prompt needs no mask: only training encodings locate trainable messages
+        trainable = [] if for_prompt else [j for j in range(start, s) if rollout[j].is_trainable]
+        if prev is None and (s > 0 or gen):
+            text = ct.render(chat[:s], gen)
+            ct.check_rendered(chat[:s], text)
+            plan.append(_Text(text, 0, tuple(ct.spans(chat[:s], trainable, text, gen))))
+        elif prev is not None and (s > start or gen):
+            ended = bool(rollout[prev].token_ids) and rollout[prev].token_ids[-1] in ct.turn_end_ids
+            text, spans = ct.continuation(chat[prev], chat[start:s], gen, ended, [j - start for j in trainable])
+            anchor = ct.anchor()
+            plan.append(_Text(anchor + text, len(anchor),
+                              tuple((start + j, a + len(anchor), b + len(anchor)) for j, a, b in spans)))
+        if not last:
+            msg = rollout[s]
+            plan.append(_Ids(msg.token_ids, s, msg.is_trainable, msg.logprobs))
+            start, prev = s + 1, s
     return plan
 
 
-def _special_ids(tokenizer) -> set[int]:
-    return set(tokenizer.all_special_ids)
+def _plain_plan(rollout: Rollout, tokenizer) -> list:
+    plan: list = []
+    for i, msg in enumerate(rollout):
+        if msg.token_ids is not None:
+            plan.append(_Ids(msg.token_ids, i, msg.is_trainable, msg.logprobs))
+            continue
+        train = msg.is_trainable
+        plan.append(_Text(msg.content, 0, ((i, 0, len(msg.content)),) if train else ()))
+        if msg.type is MessageType.MODEL and tokenizer.eos_token_id is not None:
+            plan.append(_Ids([tokenizer.eos_token_id], i, train))
+    return plan
 
 
-def _build(plan, pieces: list[list[int]], tokenizer, specials: set[int]) -> _Builder:
-    b = _Builder()
-    it = iter(pieces)
-    for step in plan:
-        if step[0] == "templated":
-            _, msg, _head, _content, _tail = step
-            head_ids, content_ids, tail_ids = next(it), next(it), next(it)
-            train = msg.is_trainable
-            eot = tail_ids[:1] if tail_ids and tail_ids[0] in specials else []
-            b.add(head_ids, False)
-            if msg.token_ids is not None:
-                sampled = msg.token_ids
-                b.add(sampled, train, msg.logprobs)
-                if eot and sampled and sampled[-1] == eot[0]:
-                    eot = []  # the model sampled the end-of-turn token itself: never add it twice
-                    tail_ids = tail_ids[1:]
-                else:  # an end-of-turn the model did not sample is context, not a trained action
-                    b.add(eot, False)
-            else:
-                b.add(content_ids, train)
-                b.add(eot, train)
-            b.add(tail_ids[len(eot):], False)
-        else:
-            _, msg, _content = step
-            content_ids = next(it)
-            train = msg.is_trainable
-            if msg.token_ids is not None:
-                b.add(msg.token_ids, train, msg.logprobs)
-            else:
-                b.add(content_ids, train)
-                if msg.type is MessageType.MODEL and tokenizer.eos_token_id is not None:
-                    b.add([tokenizer.eos_token_id], train)
-    return b
+# ---------------------------------------------------------------------- tokenize pieces, masks from offsets
 
 
-def _texts(plan) -> list[str]:
-    texts = []
-    for step in plan:
-        if step[0] == "templated":
-            _, msg, head, content, tail = step
-            texts += [head, "" if msg.token_ids is not None else content, tail]
-        else:
-            _, msg, content = step
-            texts.append("" if msg.token_ids is not None else content)
-    return texts
+def _encode_texts(tokenizer, texts: list[str]) -> dict:
+    """Each distinct text once, in one batched call: a `tokenizers.Encoding` (ids and character offsets),
+    or a plain id list without a fast backend."""
+    unique = [t for t in dict.fromkeys(texts) if t]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return dict(zip(unique, backend.encode_batch(unique, add_special_tokens=False), strict=True))
+    ids = tokenizer(unique, add_special_tokens=False)["input_ids"] if unique else []
+    return dict(zip(unique, ids, strict=True))
+
+
+def _owners(piece: _Text, offsets: list[tuple[int, int]]) -> list[int]:
+    """Per token: the message index of the trained span it falls in, -1 outside; raises on a straddling token."""
+    text, out = piece.text, []
+    for s, e in offsets:
+        owner = -1
+        for i, a, b in piece.spans:
+            if s < b and e > a:
+                if owner >= 0 or text[s:a].strip() or text[b:e].strip():
+                    raise ValueError(
+                        f"the token covering {text[s:e]!r} spans both message {i}'s trained text and other text "
+                        f"(in {text[max(0, s - 20): e + 20]!r}), so its loss mask cannot be exact")
+                owner = i
+        out.append(owner)
+    return out
+
+
+def _piecewise(tokenizer, piece: _Text) -> tuple[list[int], list[int]]:
+    """Without offsets: tokenize between span edges and accept only if that equals the whole text's ids."""
+    cuts = sorted({piece.skip, len(piece.text)} | {x for _, a, b in piece.spans for x in (a, b)})
+    whole = tokenizer(piece.text, add_special_tokens=False)["input_ids"]
+    head = tokenizer(piece.text[: piece.skip], add_special_tokens=False)["input_ids"] if piece.skip else []
+    ids, owners = list(head), [-1] * len(head)
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        part = tokenizer(piece.text[a:b], add_special_tokens=False)["input_ids"]
+        owner = next((i for i, x, y in piece.spans if x <= a and b <= y), -1)
+        ids += part
+        owners += [owner] * len(part)
+    if ids != whole:
+        raise ValueError("this tokenizer has no character offsets and tokenizes the template's pieces differently "
+                         "from its whole text, so exact masks cannot be derived; use a fast tokenizer")
+    return ids[len(head):], owners[len(head):]
+
+
+def _piece_ids(tokenizer, piece: _Text, encoded) -> tuple[list[int], list[int]]:
+    """(ids, owner per id) of a text piece, the anchor's ids dropped."""
+    if not piece.text:
+        return [], []
+    enc = encoded[piece.text]
+    if isinstance(enc, list):  # no fast backend: no offsets
+        if not piece.spans and not piece.skip:
+            return list(enc), [-1] * len(enc)
+        return _piecewise(tokenizer, piece)
+    ids = enc.ids
+    if len(piece.spans) == 1 and piece.spans[0][1:] == (0, len(piece.text)) and not piece.skip:
+        return ids, [piece.spans[0][0]] * len(ids)  # the whole text is one trained message (no template)
+    if not piece.spans and not piece.skip:
+        return ids, [-1] * len(ids)
+    offsets = enc.offsets
+    drop = 0
+    while drop < len(offsets) and offsets[drop][1] <= piece.skip:
+        drop += 1
+    if drop < len(offsets) and offsets[drop][0] < piece.skip:
+        raise ValueError(f"the tokenizer merges the anchor {piece.text[: piece.skip]!r} with the text after it")
+    owners = _owners(piece, offsets[drop:]) if piece.spans else [-1] * (len(ids) - drop)
+    return ids[drop:], owners
+
+
+# ---------------------------------------------------------------------- assemble
 
 
 def _sampling_temperature(rollout: Rollout) -> float | None:
@@ -328,8 +272,32 @@ def _sampling_temperature(rollout: Rollout) -> float | None:
     return temps.pop() if temps else None
 
 
-def _finish(b: _Builder, rollout: Rollout, max_length: int | None, truncate: bool, index: int | None):
-    n = len(b.ids)
+def _assemble(plan: list, tokenizer, encoded) -> EncodedRollout:
+    ids: list[int] = []
+    mask: list[int] = []
+    logprobs: list[float] = []
+    index: list[int] = []
+    any_logprobs = False
+    for piece in plan:
+        if isinstance(piece, _Ids):
+            n = len(piece.ids)
+            ids += piece.ids
+            mask += [int(piece.trained)] * n
+            index += [piece.index] * n
+            logprobs += piece.logprobs if piece.logprobs is not None else [NAN] * n
+            any_logprobs |= piece.logprobs is not None
+        else:
+            part, owners = _piece_ids(tokenizer, piece, encoded)
+            ids += part
+            mask += [int(o >= 0) for o in owners]
+            index += owners
+            logprobs += [NAN] * len(part)
+    return EncodedRollout(ids, mask, logprobs if any_logprobs else None, None, index)
+
+
+def _finish(enc: EncodedRollout, rollout: Rollout, max_length: int | None, truncate: bool,
+            index: int | None) -> EncodedRollout:
+    n = len(enc)
     if max_length is not None and n > max_length:
         if not truncate:
             where = "" if index is None else f" (rollout {index})"
@@ -337,41 +305,39 @@ def _finish(b: _Builder, rollout: Rollout, max_length: int | None, truncate: boo
                 f"rollout{where} encodes to {n} tokens, over max_length={max_length}; "
                 "pass truncate=True to cut it, or raise max_length"
             )
-        b.ids, b.mask, b.logprobs = b.ids[:max_length], b.mask[:max_length], b.logprobs[:max_length]
-    return EncodedRollout(
-        input_ids=b.ids, loss_mask=b.mask, old_logprobs=b.logprobs if b.any_logprobs else None,
-        sampling_temperature=_sampling_temperature(rollout),
-    )
+        cut = lambda xs: None if xs is None else xs[:max_length]  # noqa: E731
+        enc = EncodedRollout(cut(enc.input_ids), cut(enc.loss_mask), cut(enc.old_logprobs), None,
+                             cut(enc.message_index))
+    enc.sampling_temperature = _sampling_temperature(rollout)
+    return enc
+
+
+def _encode(rollouts: list[Rollout], tokenizer, for_prompt: bool) -> list[EncodedRollout]:
+    for i, r in enumerate(rollouts):
+        if not isinstance(r, Rollout):
+            raise TypeError(f"rollout {i} is a {type(r).__name__}, not a Rollout")
+    plans = [_plan(r, tokenizer, for_prompt) for r in rollouts]
+    encoded = _encode_texts(tokenizer, [p.text for plan in plans for p in plan if isinstance(p, _Text)])
+    return [_assemble(plan, tokenizer, encoded) for plan in plans]
 
 
 def encode_rollouts(rollouts: list[Rollout], tokenizer, max_length: int | None = None,
                     truncate: bool = False) -> list[EncodedRollout]:
     """Encode many rollouts with one batched tokenizer call (see `encode_rollout`)."""
-    for i, r in enumerate(rollouts):
-        if not isinstance(r, Rollout):
-            raise TypeError(f"rollout {i} is a {type(r).__name__}, not a Rollout")
-    caches: dict[str, dict] = {}  # header/suffix splits, per template options
-    plans = [_plan(r, tokenizer, caches.setdefault(_options_key(r), {})) for r in rollouts]
-    texts = [_texts(p) for p in plans]
-    flat = _tokenize_all(tokenizer, [t for ts in texts for t in ts])
-    specials = _special_ids(tokenizer)
-    out, start = [], 0
-    for i, (r, plan, ts) in enumerate(zip(rollouts, plans, texts, strict=True)):
-        pieces = flat[start: start + len(ts)]
-        start += len(ts)
-        b = _build(plan, pieces, tokenizer, specials)
-        out.append(_finish(b, r, max_length, truncate, i if len(rollouts) > 1 else None))
-    return out
+    out = _encode(list(rollouts), tokenizer, for_prompt=False)
+    many = len(out) > 1
+    return [_finish(e, r, max_length, truncate, i if many else None)
+            for i, (e, r) in enumerate(zip(out, rollouts, strict=True))]
 
 
 def encode_rollout(rollout: Rollout, tokenizer, max_length: int | None = None,
                    truncate: bool = False) -> EncodedRollout:
-    """Token ids, loss mask (1 = trained) and sampled log-probs of one rollout.
+    """Token ids, loss mask (1 = trained), sampled log-probs and message index of one rollout.
 
     Over `max_length` tokens raises ValueError unless `truncate=True` (then
-    the tail is cut). With a chat template, `tokenizer.decode(input_ids)`
-    equals `apply_chat_template(rollout.to_chat(), tokenize=False)` whenever
-    the sampled ids decode to the message text.
+    the tail is cut). A hand-written rollout's ids equal
+    `apply_chat_template(rollout.to_chat(), tokenize=True)`; a sampled episode's
+    ids are its prompts and sampled ids as the generator saw them (module docstring).
     """
     return encode_rollouts([rollout], tokenizer, max_length, truncate)[0]
 
@@ -379,15 +345,32 @@ def encode_rollout(rollout: Rollout, tokenizer, max_length: int | None = None,
 def encode_prompt(rollout: Rollout, tokenizer) -> list[int]:
     """The ids a generator conditions on for the next MODEL turn.
 
-    The rollout's own encoding plus the template's generation header
-    (e.g. `<|im_start|>assistant\\n`); plain concatenation without a template.
+    With a template: the rollout as sampled so far plus the template's rendering
+    of the messages since the last sampled turn and the generation prompt (for a
+    rollout without sampled turns, `apply_chat_template(..., add_generation_prompt=True)`).
+    Plain concatenation without a template.
     """
-    ids = encode_rollout(rollout, tokenizer).input_ids if len(rollout) else []
+    return _encode([rollout], tokenizer, for_prompt=True)[0].input_ids
+
+
+def as_sampled(rollout: Rollout, tokenizer) -> Rollout:
+    """A copy whose hand-written MODEL turns carry ids as a model would sample them.
+
+    Each MODEL message without `token_ids` gets its content tokenized on its own
+    followed by the template's end-of-turn token (EOS without a template), so a
+    supervised warm-up sees exactly the encoding RL will use: prompts as the
+    generator renders them, replies as sampled ids. No log-probs are attached.
+    """
     if has_chat_template(tokenizer):
-        header = _generation_header(rollout, tokenizer)
-        if header:
-            ids = ids + tokenizer(header, add_special_tokens=False)["input_ids"]
-    return ids
+        ct = _template(rollout, tokenizer)
+        end = tokenizer.convert_tokens_to_ids(ct.end_of_turn[0]) if ct.end_of_turn else tokenizer.eos_token_id
+    else:
+        end = tokenizer.eos_token_id
+    out = rollout.copy()
+    for m in out:
+        if m.type is MessageType.MODEL and m.token_ids is None:
+            m.token_ids = tokenizer(m.content, add_special_tokens=False)["input_ids"] + ([end] if end is not None else [])
+    return out
 
 
 def collate(encoded: list[EncodedRollout], pad_token_id: int, pad_to_multiple_of: int | None = None) -> Batch:
@@ -403,22 +386,32 @@ def collate(encoded: list[EncodedRollout], pad_token_id: int, pad_to_multiple_of
     if pad_to_multiple_of:
         T = math.ceil(T / pad_to_multiple_of) * pad_to_multiple_of
     B = len(encoded)
-    input_ids = torch.full((B, T), pad_token_id, dtype=torch.long)  # (B, T)
-    attention_mask = torch.zeros((B, T), dtype=torch.long)  # (B, T)
-    loss_mask = torch.zeros((B, T), dtype=torch.long)  # (B, T)
-    any_lp = any(e.old_logprobs is not None for e in encoded)
-    old = torch.full((B, T), NAN, dtype=torch.float32) if any_lp else None  # (B, T)
-    for i, e in enumerate(encoded):
-        n = len(e)
-        input_ids[i, :n] = torch.tensor(e.input_ids, dtype=torch.long)
-        attention_mask[i, :n] = 1
-        loss_mask[i, :n] = torch.tensor(e.loss_mask, dtype=torch.long)
-        if old is not None and e.old_logprobs is not None:
-            old[i, :n] = torch.tensor(e.old_logprobs, dtype=torch.float32)
+    lengths = torch.tensor([len(e) for e in encoded])  # (B,)
+    attention_mask = (torch.arange(T)[None, :] < lengths[:, None]).long()  # (B, T)
+    real = attention_mask.bool()
+
+    total = int(lengths.sum())
+
+    def field(values, fill, dtype):  # rows' lists -> one flat array scattered into (B, T), row-major
+        out = torch.full((B, T), fill, dtype=dtype)
+        flat = np.fromiter(itertools.chain.from_iterable(values), np.float32 if dtype == torch.float32 else np.int64,
+                           total)
+        out[real] = torch.from_numpy(flat)
+        return out
+
+    input_ids = field((e.input_ids for e in encoded), pad_token_id, torch.long)  # (B, T)
+    loss_mask = field((e.loss_mask for e in encoded), 0, torch.long)  # (B, T)
+    old = None
+    if any(e.old_logprobs is not None for e in encoded):
+        old = field((e.old_logprobs if e.old_logprobs is not None else [NAN] * len(e) for e in encoded),
+                    NAN, torch.float32)  # (B, T)
+    index = None
+    if all(e.message_index is not None for e in encoded):
+        index = field((e.message_index for e in encoded), -1, torch.long)  # (B, T)
     temps = {e.sampling_temperature for e in encoded if e.sampling_temperature is not None}
     if len(temps) > 1:
         raise ValueError(f"batch mixes sampling temperatures {sorted(temps)}")
-    return Batch(input_ids, attention_mask, loss_mask, old, temps.pop() if temps else None)
+    return Batch(input_ids, attention_mask, loss_mask, old, temps.pop() if temps else None, index)
 
 
 def rollouts_to_batch(rollouts: list[Rollout], tokenizer, max_length: int | None = None,

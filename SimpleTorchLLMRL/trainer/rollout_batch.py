@@ -109,9 +109,7 @@ class TrainBatch:
         for s in range(0, len(self), micro_batch_size):
             rows = slice(s, s + micro_batch_size)
             T = int(self.batch.attention_mask[rows].sum(-1).max())
-            b = self.batch[rows]
-            b = Batch(*(_cut(t, rows=slice(None), T=T) for t in (b.input_ids, b.attention_mask, b.loss_mask,
-                                                                  b.old_logprobs)), b.sampling_temperature)
+            b = self.batch[rows].columns(T)
             out.append(replace(self, batch=b, mask=_cut(self.mask, rows, T), rewards=self.rewards[rows],
                                advantages=_cut(self.advantages, rows, T),
                                old_logprobs=_cut(self.old_logprobs, rows, T),
@@ -132,6 +130,7 @@ class RolloutTrainer:
             raise ValueError(f"{self.name}: beta={config.beta} > 0 needs a reference: pass ref_model= "
                              "(e.g. copy.deepcopy(model).eval()) or use a peft model (its adapter is disabled)")
         self.metrics: dict[str, float] = {}
+        self.token_logprobs: torch.Tensor | None = None  # (B, T) of the last loss call, NaN where not trained
 
     def calculate_loss(self, rollouts, rewards=None, normalizer: float | None = None) -> torch.Tensor:
         """Scalar loss over `rollouts` (or a prepared `TrainBatch`); diagnostics land in `.metrics`.
