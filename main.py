@@ -42,6 +42,7 @@ from SimpleTorchLLMRL.train_loop import (
     warmup_constant,
     write_atomic,
 )
+from SimpleTorchLLMRL.trainer.drift import logprob_drift
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
 
 # Flags a resumed run must share with the run it continues (--steps may grow).
@@ -124,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
 
         model.train()
         prepared = grpo.prepare(rollouts, rewards)  # advantages; the sampled log-probs are the old policy
+        drift_parts = []  # (micro-batch, the trainer's log-probs of its sampled tokens) for the drift report
         for micro in prepared.split(args.micro_batch_size):  # each micro-batch keeps the full normalizer
             grpo.calculate_loss(micro).backward()
+            drift_parts.append((micro.batch, grpo.token_logprobs))
         grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         scheduler.step()
@@ -137,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
                           "loss": grpo.metrics["loss"], "entropy": grpo.metrics["entropy"],
                           "clip_frac": grpo.metrics["clip_frac"],
                           "frac_zero_advantage": grpo.metrics["frac_zero_advantage"], "grad_norm": grad_norm,
-                          "lr": scheduler.get_last_lr()[0], "gen_seconds": t_gen,
-                          "step_seconds": time.time() - t0}, prefix="train/")
+                          "lr": scheduler.get_last_lr()[0], "gen_seconds": t_gen, "step_seconds": time.time() - t0,
+                          # sampled vs recomputed log-probs, per role / agent and the worst message
+                          **{f"drift/{k}": v for k, v in logprob_drift(rollouts, drift_parts).summary().items()}},
+                   prefix="train/")
         bar.set_postfix(reward=f"{rewards.mean():.2f}", tools=f"{stats['tool_rate']:.2f}")
 
         train_samples = (rollouts[: args.group_size], rewards[: args.group_size].tolist())

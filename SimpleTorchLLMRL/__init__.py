@@ -12,11 +12,12 @@ import importlib
 _EXPORTS = {
     "SimpleTorchLLMRL.chat.message": ["Message", "MessageType", "Rollout"],
     "SimpleTorchLLMRL.chat.tokenize": ["Batch", "EncodedRollout", "collate", "encode_prompt", "encode_rollout",
-                                       "encode_rollouts", "rollouts_to_batch"],
+                                       "encode_rollouts", "rollouts_to_batch", "as_sampled"],
     "SimpleTorchLLMRL.model.generate": ["ModelGenerate"],
     "SimpleTorchLLMRL.model.logprobs": ["token_logprobs"],
     "SimpleTorchLLMRL.trainer.GRPO": ["GRPO"],
     "SimpleTorchLLMRL.trainer.PPO": ["PPO"],
+    "SimpleTorchLLMRL.trainer.drift": ["logprob_drift"],
     "SimpleTorchLLMRL.env.base": ["Env"],
     "SimpleTorchLLMRL.env.rollouts": ["collect_rollouts"],
     "SimpleTorchLLMRL.env.QASolve": ["QASolverEnv"],

@@ -239,6 +239,9 @@ class GRPO(RolloutTrainer):
             loss = self._token_terms(x, logp, slice(None))[0].sum()
             logp = logp.detach()
         self.metrics = self._metrics(tb, loss, x, logp, entropy)
+        full = torch.full(mask.shape, torch.nan, device=logp.device)  # (B, T)
+        full[:, 1:][select] = logp.detach().float()
+        self.token_logprobs = full  # the recomputed log-prob of each trained token, for `logprob_drift`
         return loss
 
     def _token_inputs(self, tb: TrainBatch, select: torch.Tensor, normalizer: float) -> dict:

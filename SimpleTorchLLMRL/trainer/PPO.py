@@ -186,4 +186,5 @@ class PPO(RolloutTrainer):
                                 num_sequences=len(tb), temperature=tb.temperature)
             if tb.ref_logprobs is not None:
                 self.metrics["kl"] = mean(KL_ESTIMATORS[cfg.kl_estimator](logp, tb.ref_logprobs))
+            self.token_logprobs = torch.where(m, logp.detach().float(), torch.nan)  # (B, T), for `logprob_drift`
         return loss
