@@ -16,8 +16,8 @@ warm-up that teaches the format but leaves headroom for RL:
 Greedy decoding then solves the multiplications through the calculator and gets
 the rest wrong; sampling at temperature 1 calls the calculator often enough for
 GRPO to learn that it pays everywhere. Examples are encoded with
-`encode_rollouts` (the project's loss masks) and trained with a plain masked
-cross-entropy loop. Evaluation uses plain HF `generate`.
+`encode_rollouts` as RL will see them (`as_sampled`: prompts rendered whole,
+replies tokenized on their own) and trained with a plain masked cross-entropy loop. Evaluation uses plain HF `generate`.
 
     uv run python examples/pretrain_tiny.py            # build, save, evaluate, write README.md
     uv run python examples/pretrain_tiny.py --eval-only
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
-from SimpleTorchLLMRL.chat.tokenize import collate, encode_prompt, encode_rollouts
+from SimpleTorchLLMRL.chat.tokenize import as_sampled, collate, encode_prompt, encode_rollouts
 from SimpleTorchLLMRL.tasks import arithmetic as A
 from SimpleTorchLLMRL.tiny import CHATML_SPECIALS, CHATML_TEMPLATE, TINY_CALC
 
@@ -135,8 +135,9 @@ def sft_rollouts(n: int, seed: int, p_tool: float, p_tool_mul: float, p_wrong: f
 
 
 def encode_for_training(rollouts: list[Rollout], tokenizer) -> list:
-    """`encode_rollouts`, then the decision token of practice episodes taken out of the loss."""
-    encoded = encode_rollouts(rollouts, tokenizer)
+    """`encode_rollouts` of the transcripts as RL will see them (`as_sampled`: prompts rendered whole, replies
+    tokenized on their own), then the decision token of practice episodes taken out of the loss."""
+    encoded = encode_rollouts([as_sampled(r, tokenizer) for r in rollouts], tokenizer)
     for r, e in zip(rollouts, encoded, strict=True):
         if r.metadata.get("train_decision") is False:
             e.loss_mask[e.loss_mask.index(1)] = 0
@@ -391,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for this size)")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from SimpleTorchLLMRL.chat.message import MessageType, Rollout
-from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout
+from SimpleTorchLLMRL.chat.tokenize import as_sampled, encode_prompt, encode_rollout
 from SimpleTorchLLMRL.tasks import arithmetic as A
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,7 +202,7 @@ def test_asset_knows_the_format_and_copies_tool_results(tiny_calc):
     for p in problems:  # after a calculator call the answer is the tool's result
         r = A.solution_rollout(p.question, use_tool=True, expression=p.expression, tools=[A.CALCULATOR_SCHEMA])
         r.messages.pop()
-        copied += A.check_answer(_greedy(model, tok, r), p.answer)
+        copied += A.check_answer(_greedy(model, tok, as_sampled(r, tok)), p.answer)  # the tool call as sampled
     assert copied >= 11
 
 
@@ -229,6 +229,6 @@ def test_pretrain_script_builds_a_loadable_model_reproducibly(tmp_path):
     assert model.config.hidden_size == 32 and len(tok) == 2304
     assert [len(tok(d, add_special_tokens=False)["input_ids"]) for d in ("7", "42", "999", "007")] == [1] * 4
     r = A.solution_rollout("What is 12 + 30?", use_tool=True, expression="12 + 30", tools=[A.CALCULATOR_SCHEMA])
-    enc = encode_rollout(r, tok)
+    enc = encode_rollout(as_sampled(r, tok), tok)  # as the generator would have produced it
     assert tok.decode(enc.input_ids) == tok.apply_chat_template(r.to_chat(), tools=r.metadata["tools"],
-                                                                tokenize=False)
+                                                                tokenize=False).rstrip("\n")
