@@ -88,3 +88,29 @@ def test_on_policy_drift_is_tiny_and_a_corrupted_turn_is_the_worst(qwen2_model, 
     others = [m for m in rep.messages if (m.rollout, m.message) != (2, 3)]
     assert max(m.max_abs for m in others) < 1e-3
     assert not math.isnan(rep.by_role["assistant"].mean_abs)
+
+
+def test_report_hides_the_agent_table_without_names():
+    rollouts, batch, new = _hand_batch()
+    for r in rollouts:
+        for m in r:
+            m.name = None
+    rep = logprob_drift(rollouts, (batch, new))
+    assert not any(k.startswith("agent/") for k in rep.summary()) and " agent " not in str(rep)
+
+
+@pytest.mark.slow
+def test_drift_example_runs(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "drift_report.py"
+    spec = importlib.util.spec_from_file_location("drift_report", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--questions", "2", "--group-size", "2"])
+    out = capsys.readouterr().out
+    same, shifted = out.split("2. trainer in bfloat16")
+    assert "worst: rollout" in shifted and "log-prob drift over" in same
+    first = lambda text: float(text.split("mean |d| ")[1].split(",")[0])  # noqa: E731
+    assert first(same) < 1e-4 < first(shifted)

@@ -296,9 +296,13 @@ class ChatTemplate:
         if role == "system":
             return (f"message {i} (system): the chat template does not render the system prompt as a message of "
                     "its own here; do not train it (trainable=False) or put it in the first user message")
-        if chat[i].get("tool_calls"):
+        if chat[i].get("tool_calls") and chat[i]["content"].strip():
             return (f"message {i} (assistant): the chat template renders only the tool_calls of this turn and "
                     "drops its content; leave the content empty or put the call in the content as text")
+        if chat[i].get("tool_calls"):
+            return (f"message {i} (assistant): the chat template renders only the tool_calls of this turn and has "
+                    "no generation prompt that marks where the turn starts, so it cannot be located; train it as "
+                    "sampled (token_ids on the message)")
         return (f"message {i} ({role}): the chat template does not render this message's content where it can be "
                 "located; it cannot be trained")
 

@@ -60,10 +60,15 @@ class DriftReport:
         """The k messages with the largest mean |d|."""
         return sorted(self.messages, key=lambda m: m.mean_abs, reverse=True)[:k]
 
+    def _groups(self):
+        """Role and agent tables; the agent table only when some message has a name."""
+        named = set(self.by_agent) - {"-"}
+        return (("role", self.by_role),) + ((("agent", self.by_agent),) if named else ())
+
     def summary(self) -> dict[str, float]:
         """Flat numbers for a metrics logger: overall, per role, per agent, and the worst message."""
         out = {f"{k}": v for k, v in vars(self.overall).items()}
-        for group, table in (("role", self.by_role), ("agent", self.by_agent)):
+        for group, table in self._groups():
             for key, s in table.items():
                 out[f"{group}/{key}/mean_abs"] = s.mean_abs
                 out[f"{group}/{key}/frac_outside"] = s.frac_outside
@@ -73,17 +78,17 @@ class DriftReport:
         return out
 
     def __str__(self) -> str:
-        lines = [f"log-prob drift over {self.overall.tokens} sampled tokens: mean |d| {self.overall.mean_abs:.4f}, "
-                 f"max {self.overall.max_abs:.4f}, {self.overall.frac_outside:.1%} outside "
+        lines = [f"log-prob drift over {self.overall.tokens} sampled tokens: mean |d| {self.overall.mean_abs:.3g}, "
+                 f"max {self.overall.max_abs:.3g}, {self.overall.frac_outside:.1%} outside "
                  f"[{1 - self.band:g}, {1 + self.band:g}]"]
-        for group, table in (("role", self.by_role), ("agent", self.by_agent)):
+        for group, table in self._groups():
             for key, s in table.items():
-                lines.append(f"  {group} {key:12s} {s.tokens:6d} tokens  mean |d| {s.mean_abs:.4f}  "
-                             f"max {s.max_abs:.4f}  outside {s.frac_outside:.1%}")
+                lines.append(f"  {group} {key:12s} {s.tokens:6d} tokens  mean |d| {s.mean_abs:.3g}  "
+                             f"max {s.max_abs:.3g}  outside {s.frac_outside:.1%}")
         for m in self.worst():
             who = m.role + (f" {m.name}" if m.name else "")
             lines.append(f"  worst: rollout {m.rollout} message {m.message} ({who}) {m.tokens} tokens  "
-                         f"mean |d| {m.mean_abs:.4f}  max {m.max_abs:.4f}")
+                         f"mean |d| {m.mean_abs:.3g}  max {m.max_abs:.3g}")
         return "\n".join(lines)
 
 
