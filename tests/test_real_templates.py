@@ -14,6 +14,8 @@ never returns wrong ids or a wrong mask.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jinja2
 import pytest
 from real_templates import FAMILIES, load
@@ -167,7 +169,7 @@ def _template_tail(fam, canonical: str, reply: str, call: str) -> str:
     return canonical[min(ends):]
 
 
-def sampled_episode(family: str, use_tool: bool = True) -> str:
+def sampled_episode(family: str, use_tool: bool = True, template_kwargs: dict | None = None) -> str:
     """Three sampled turns with a user turn and a tool (or user) turn between; checks every prompt.
 
     The oracle's text of the episode is built from strings only: the template's first prompt, each
@@ -176,6 +178,8 @@ def sampled_episode(family: str, use_tool: bool = True) -> str:
     tokenized whole.
     """
     tok, fam = load(family), FAMILIES[family]
+    if template_kwargs:
+        fam = dataclasses.replace(fam, kwargs={**fam.kwargs, **template_kwargs})
     opts = {"chat_template_kwargs": dict(fam.kwargs)} if fam.kwargs else {}
     first = [Message("Be brief.", S)] if family != "gemma-2" else []
     r = Rollout(first + [Message("Compute 12 + 30.", U)], opts)
@@ -244,6 +248,25 @@ def test_sampled_multi_turn_episode_is_exact(family):
     except ValueError as e:  # the template has no tool role: a user turn stands in
         assert "rejects" in str(e) or "drops TOOL" in str(e), e
         sampled_episode(family, use_tool=False)
+
+
+@pytest.mark.parametrize("family", [f for f, fam in FAMILIES.items() if fam.thinking])
+def test_sampled_episode_with_thinking_off_is_exact(family):
+    assert sampled_episode(family, use_tool=True, template_kwargs={"enable_thinking": False}) == "exact"
+
+
+@pytest.mark.parametrize("family", ["llama-3.1", "llama-3.2"])
+def test_llama_tools_with_a_system_prompt(family):
+    """Llama-3.1 puts tool definitions in the first user turn; a system prompt before it must not break that."""
+    tok, fam = load(family), FAMILIES[family]
+    r = Rollout([Message("Use tools when useful.", S), Message("Compute 3*9.", U), Message("It is 27.", M)],
+                {"tools": [CALC], "chat_template_kwargs": dict(fam.kwargs)})
+    want_ids, want_mask = _oracle(tok, fam, r)
+    enc = encode_rollout(r, tok)
+    assert (enc.input_ids, enc.loss_mask) == (want_ids, want_mask)
+    prompt = Rollout(r.messages[:2], dict(r.metadata))
+    assert encode_prompt(prompt, tok) == tok.apply_chat_template(
+        prompt.to_chat(), tools=[CALC], add_generation_prompt=True, tokenize=True, return_dict=False, **fam.kwargs)
 
 
 def matrix_table() -> str:
