@@ -81,15 +81,6 @@ class ChatTemplate:
         self.has_generation_prompt = self._find_generation_prompt()
         self.turn_end_ids = self._turn_end_ids()
 
-    def _end_of_content(self, full: str) -> int | None:
-        """Where the base turn's content ends in `full`; where its header ends if the template drops content."""
-        if full.count(SENTINEL) == 1:
-            return full.index(SENTINEL) + len(SENTINEL)
-        head = self._try_render([_BASE_USER], self.has_generation_prompt)
-        if head is not None and full.startswith(head) and self.end_of_turn:
-            return len(head)
-        return None
-
     def without_tools(self) -> ChatTemplate:
         return chat_template_for(self.tokenizer, None, self.template_kwargs)
 
@@ -317,6 +308,15 @@ class ChatTemplate:
                 "train it as sampled (token_ids on the message) or use a template that prints content verbatim")
 
     # ------------------------------------------------------------------ after a sampled turn
+
+    def _end_of_content(self, full: str) -> int | None:
+        """Where the base turn's content ends in `full`; where its header ends if the template drops content."""
+        if full.count(SENTINEL) == 1:
+            return full.index(SENTINEL) + len(SENTINEL)
+        head = self._try_render([_BASE_USER], self.has_generation_prompt)
+        if head is not None and full.startswith(head) and self.end_of_turn:
+            return len(head)
+        return None
 
     def continuation(self, previous: dict, block: list[dict], generation_prompt: bool, ended: bool,
                      trainable: list[int]) -> tuple[str, list[tuple[int, int, int]]]:
