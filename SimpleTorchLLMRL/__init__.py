@@ -13,6 +13,7 @@ _EXPORTS = {
     "SimpleTorchLLMRL.chat.message": ["Message", "MessageType", "Rollout"],
     "SimpleTorchLLMRL.chat.tokenize": ["Batch", "EncodedRollout", "collate", "encode_prompt", "encode_rollout",
                                        "encode_rollouts", "rollouts_to_batch", "as_sampled"],
+    "SimpleTorchLLMRL.chat.rollout_io": ["save_rollouts", "load_rollouts", "RolloutWriter"],
     "SimpleTorchLLMRL.model.generate": ["ModelGenerate"],
     "SimpleTorchLLMRL.model.logprobs": ["token_logprobs"],
     "SimpleTorchLLMRL.trainer.GRPO": ["GRPO"],

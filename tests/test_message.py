@@ -74,5 +74,5 @@ def test_from_chat_roundtrip_and_prompt_messages():
     assert r.to_chat() == chat and r.metadata == {"answer": "42"}
     assert [m.content for m in r.prompt_messages] == ["s", "u"]
     assert r.last(MessageType.MODEL).content == "a" and r.last().content == "t"
-    with pytest.raises(ValueError, match="chat turn 0 needs 'role' and 'content'"):
+    with pytest.raises(ValueError, match="chat turn 0 needs a 'role' key"):
         Rollout.from_chat([{"content": "x"}])

@@ -351,3 +351,14 @@ def test_as_sampled_turns_hand_written_replies_into_sampled_ids(chatml_tokenizer
     assert enc.input_ids == want
     assert sum(enc.loss_mask) == len(ids(tok, "It is 4.")) + 1
     assert r[1].token_ids is None  # the original is untouched
+
+
+def test_trainable_message_after_a_sampled_turn(chatml_tokenizer):
+    tok = chatml_tokenizer
+    sampled = ids(tok, "Hi.") + ids(tok, "<|im_end|>")
+    r = Rollout([Message("q", U), Message("Hi.", M, token_ids=sampled), Message("frozen", M, trainable=False),
+                 Message("teach me", U, trainable=True)])
+    enc = encode_rollout(r, tok)
+    trained = [(i, x) for i, x, m in zip(enc.message_index, enc.input_ids, enc.loss_mask, strict=True) if m]
+    assert [x for _, x in trained] == sampled + ids(tok, "teach me") + ids(tok, "<|im_end|>")
+    assert [i for i, _ in trained] == [1] * len(sampled) + [3] * (len(trained) - len(sampled))

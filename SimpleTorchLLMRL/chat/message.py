@@ -58,6 +58,8 @@ class Message:
     sampling temperature those log-probs are under. `tool_calls` are structured
     calls of a MODEL turn (OpenAI style); `tool_call_id` names the call a TOOL
     message answers (Mistral and OpenAI-style templates need it).
+    `policy_version` is the version of the weights that sampled the turn
+    (set by the generator; see `ModelGenerate.policy_version`).
     """
 
     content: str
@@ -70,6 +72,7 @@ class Message:
     tool_call_id: str | None = field(default=None, kw_only=True)
     finish_reason: str | None = field(default=None, kw_only=True)
     temperature: float | None = field(default=None, kw_only=True)
+    policy_version: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.content, str):
@@ -92,6 +95,8 @@ class Message:
                 raise ValueError("Message logprobs must be log-probabilities (<= 0, not NaN)")
         if self.tool_call_id is not None and not isinstance(self.tool_call_id, str):
             raise TypeError(f"Message tool_call_id must be a str or None, got {type(self.tool_call_id).__name__}")
+        if self.policy_version is not None and not isinstance(self.policy_version, int):
+            raise TypeError(f"Message policy_version must be an int or None, got {self.policy_version!r}")
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS} or None, got {self.finish_reason!r}")
 
@@ -118,6 +123,22 @@ class Message:
         return out
 
 
+def _text_content(content, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ValueError(f"chat turn {index}: only text content parts are supported, got {part!r:.80}")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ValueError(f"chat turn {index}: content must be a str, None or a list of text parts, "
+                     f"got {type(content).__name__}")
+
+
 class Rollout:
     """An ordered conversation plus metadata; the unit the trainer learns from."""
 
@@ -128,15 +149,19 @@ class Rollout:
 
     @classmethod
     def from_chat(cls, chat: Sequence[dict[str, Any]], **metadata: Any) -> Rollout:
-        """Build from role/content dicts (the inverse of `to_chat`)."""
+        """Build from role/content dicts: the inverse of `to_chat`, and OpenAI-style message lists.
+
+        OpenAI forms accepted: `content` None (an assistant turn with only tool_calls), a list of
+        `{"type": "text", "text": ...}` parts (joined), the "developer" role (a system message).
+        """
         msgs = []
         for i, turn in enumerate(chat):
-            if "role" not in turn or "content" not in turn:
-                raise ValueError(f"chat turn {i} needs 'role' and 'content' keys, got {sorted(turn)}")
-            msgs.append(
-                Message(turn["content"], MessageType.from_role(turn["role"]), name=turn.get("name"),
-                        tool_calls=turn.get("tool_calls"), tool_call_id=turn.get("tool_call_id"))
-            )
+            if not isinstance(turn, dict) or "role" not in turn:
+                raise ValueError(f"chat turn {i} needs a 'role' key, got {turn!r:.80}")
+            role = "system" if turn["role"] == "developer" else turn["role"]
+            msgs.append(Message(_text_content(turn.get("content"), i), MessageType.from_role(role),
+                                name=turn.get("name"), tool_calls=turn.get("tool_calls"),
+                                tool_call_id=turn.get("tool_call_id")))
         return cls(msgs, metadata)
 
     def add_messages(self, *msgs: Message) -> Rollout:
@@ -161,6 +186,19 @@ class Rollout:
 
     def __repr__(self) -> str:
         return f"Rollout({len(self)} messages, metadata keys={sorted(self.metadata)})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything about the rollout as JSON-ready data (see `chat.rollout_io`)."""
+        from SimpleTorchLLMRL.chat.rollout_io import rollout_to_dict
+
+        return rollout_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Rollout:
+        """The inverse of `to_dict`."""
+        from SimpleTorchLLMRL.chat.rollout_io import rollout_from_dict
+
+        return rollout_from_dict(d)
 
     def to_chat(self) -> list[dict[str, Any]]:
         return [m.to_dict() for m in self._messages]

@@ -28,6 +28,7 @@ from collections import OrderedDict
 import jinja2
 
 SENTINEL = "\u2063STLR\u2063SENTINEL\u2063"  # invisible separators: never trimmed, never in real text
+BASE_SENTINEL = "\u2063STLR\u2063BASE\u2063"  # the sampled turn's content in a continuation's base
 _BASE_USER = {"role": "user", "content": "Hi"}
 _MEMO_SIZE = 4096
 _TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError)
@@ -311,8 +312,8 @@ class ChatTemplate:
 
     def _end_of_content(self, full: str) -> int | None:
         """Where the base turn's content ends in `full`; where its header ends if the template drops content."""
-        if full.count(SENTINEL) == 1:
-            return full.index(SENTINEL) + len(SENTINEL)
+        if full.count(BASE_SENTINEL) == 1:
+            return full.index(BASE_SENTINEL) + len(BASE_SENTINEL)
         head = self._try_render([_BASE_USER], self.has_generation_prompt)
         if head is not None and full.startswith(head) and self.end_of_turn:
             return len(head)
@@ -331,7 +332,7 @@ class ChatTemplate:
         """
         if self.tools is not None:  # tool definitions belong to the first prompt, not to later turns
             return self.without_tools().continuation(previous, block, generation_prompt, ended, trainable)
-        base = [_BASE_USER, dict(previous, content=SENTINEL)]
+        base = [_BASE_USER, dict(previous, content=BASE_SENTINEL)]
         full = self.render(base + block, generation_prompt)
         after = self._end_of_content(full)
         if after is None:

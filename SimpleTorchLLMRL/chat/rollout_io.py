@@ -1,0 +1,214 @@
+"""Rollouts as data: dicts, JSONL and Parquet files, and a streaming writer.
+
+A rollout is stored as `Rollout.to_dict()`: every message field (type, name,
+content, trainable flag, sampled token ids and log-probs, sampling temperature,
+tool calls and tool-call id, finish reason, policy version) and the metadata.
+Log-probs are stored as float64, which holds the generator's float32 values
+exactly. Metadata must be JSON (str keys; str, numbers, bools, None, lists,
+dicts); anything else is an error naming the key, except the live `env_state`
+object that `collect_rollouts` leaves, which is not saved unless asked.
+
+    save_rollouts("step_12.jsonl", rollouts)          # or .parquet (one row per rollout)
+    rollouts = load_rollouts("step_12.jsonl")
+    with RolloutWriter("run/rollouts.jsonl") as w:    # append each step's rollouts as training goes
+        w.write(rollouts)
+
+A JSONL file whose last line was torn (the writer was killed mid-line) loads
+without that line, with a warning; any other bad line is an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+
+FORMAT_VERSION = 1
+SKIPPED_METADATA = ("env_state",)  # live environment objects from collect_rollouts
+_FIELDS = ("name", "trainable", "token_ids", "logprobs", "tool_calls", "tool_call_id", "finish_reason",
+           "temperature", "policy_version")
+
+
+def message_to_dict(m: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    for f in _FIELDS:
+        value = getattr(m, f)
+        if value is not None:
+            out[f] = value
+    return out
+
+
+def message_from_dict(d: dict[str, Any]) -> Message:
+    unknown = set(d) - {"role", "content", *_FIELDS}
+    if unknown:
+        raise ValueError(f"message record has unknown fields {sorted(unknown)}")
+    return Message(d["content"], MessageType.from_role(d["role"]), **{f: d[f] for f in _FIELDS if d.get(f) is not None})
+
+
+def _json_value(value, where: str) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where} is {value}: not representable in JSON")
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _json_value(v, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{where} has a non-str key {k!r}")
+            _json_value(v, f"{where}[{k!r}]")
+        return
+    raise ValueError(f"{where} is a {type(value).__name__}, which a rollout file cannot hold; convert it to JSON "
+                     "(str, numbers, bools, None, lists, dicts) or leave it out")
+
+
+def rollout_to_dict(rollout: Rollout, skip_metadata: Iterable[str] = SKIPPED_METADATA) -> dict[str, Any]:
+    """A JSON-ready dict of the rollout; raises ValueError naming a metadata key that is not JSON."""
+    skip = set(skip_metadata)
+    metadata = {k: v for k, v in rollout.metadata.items() if k not in skip}
+    for k, v in metadata.items():
+        if not isinstance(k, str):
+            raise ValueError(f"metadata key {k!r} is not a str")
+        _json_value(v, f"metadata[{k!r}]")
+    return {"format_version": FORMAT_VERSION, "messages": [message_to_dict(m) for m in rollout],
+            "metadata": metadata}
+
+
+def rollout_from_dict(d: dict[str, Any]) -> Rollout:
+    version = d.get("format_version")
+    if version is None or not isinstance(version, int):
+        raise ValueError("not a rollout record: no format_version")
+    if version > FORMAT_VERSION:
+        raise ValueError(f"rollout record of format version {version}, newer than this library's "
+                         f"{FORMAT_VERSION}; upgrade SimpleTorchLLMRL to read it")
+    return Rollout([message_from_dict(m) for m in d["messages"]], d.get("metadata") or {})
+
+
+# ---------------------------------------------------------------------- files
+
+
+def _kind(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        return "jsonl"
+    if suffix in (".parquet", ".pq"):
+        return "parquet"
+    raise ValueError(f"{path}: unknown rollout file type {suffix!r}; use .jsonl or .parquet")
+
+
+def save_rollouts(path, rollouts: Iterable[Rollout], skip_metadata: Iterable[str] = SKIPPED_METADATA) -> Path:
+    """Write rollouts to .jsonl (one per line) or .parquet (one row per rollout), atomically."""
+    path = Path(path)
+    records = [rollout_to_dict(r, skip_metadata) for r in rollouts]
+    tmp = path.with_name(f".{path.name}.tmp")
+    if _kind(path) == "jsonl":
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    else:
+        _write_parquet(tmp, records)
+    os.replace(tmp, path)
+    return path
+
+
+def load_rollouts(path) -> list[Rollout]:
+    """Rollouts from a file written by `save_rollouts` or `RolloutWriter`."""
+    path = Path(path)
+    if _kind(path) == "parquet":
+        return [rollout_from_dict(r) for r in _read_parquet(path)]
+    lines = path.read_text(encoding="utf-8").split("\n")
+    ends_clean = lines[-1] == ""
+    lines = lines[:-1] if ends_clean else lines
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1 and not ends_clean:
+                warnings.warn(f"{path}: the last line is torn (a writer was stopped mid-line); skipped it",
+                              UserWarning, stacklevel=2)
+                break
+            raise ValueError(f"{path}: line {i + 1} is not a rollout record ({e})") from e
+        try:
+            out.append(rollout_from_dict(record))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: line {i + 1}: {e}") from e
+    return out
+
+
+class RolloutWriter:
+    """Appends rollouts to a .jsonl file, one line each, flushed after every `write`."""
+
+    def __init__(self, path, skip_metadata: Iterable[str] = SKIPPED_METADATA):
+        self.path = Path(path)
+        if _kind(self.path) != "jsonl":
+            raise ValueError(f"{self.path}: RolloutWriter appends to .jsonl files only")
+        self.skip_metadata = tuple(skip_metadata)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+
+    def write(self, rollouts: Iterable[Rollout]) -> None:
+        lines = [json.dumps(rollout_to_dict(r, self.skip_metadata), ensure_ascii=False) + "\n" for r in rollouts]
+        self._file.write("".join(lines))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> RolloutWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------- Parquet (pyarrow, from the data extra)
+
+
+def _pyarrow():
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError as e:
+        raise ImportError("Parquet rollout files need pyarrow: uv sync --extra data") from e
+    return pyarrow
+
+
+def _message_type(pa):
+    return pa.struct([("role", pa.string()), ("content", pa.string()), ("name", pa.string()),
+                      ("trainable", pa.bool_()), ("token_ids", pa.list_(pa.int64())),
+                      ("logprobs", pa.list_(pa.float64())), ("tool_calls", pa.string()),
+                      ("tool_call_id", pa.string()), ("finish_reason", pa.string()),
+                      ("temperature", pa.float64()), ("policy_version", pa.int64())])
+
+
+def _write_parquet(path: Path, records: list[dict]) -> None:
+    pa = _pyarrow()
+    rows = {"format_version": [r["format_version"] for r in records],
+            "messages": [[dict(m, tool_calls=json.dumps(m["tool_calls"]) if "tool_calls" in m else None)
+                          for m in r["messages"]] for r in records],
+            "metadata": [json.dumps(r["metadata"], ensure_ascii=False) for r in records]}
+    schema = pa.schema([("format_version", pa.int64()), ("messages", pa.list_(_message_type(pa))),
+                        ("metadata", pa.string())])
+    pa.parquet.write_table(pa.Table.from_pydict(rows, schema=schema), path)
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    pa = _pyarrow()
+    out = []
+    for row in pa.parquet.read_table(path).to_pylist():
+        messages = [{k: v for k, v in m.items() if v is not None} for m in row["messages"]]
+        for m in messages:
+            if "tool_calls" in m:
+                m["tool_calls"] = json.loads(m["tool_calls"])
+        out.append({"format_version": row["format_version"], "messages": messages,
+                    "metadata": json.loads(row["metadata"])})
+    return out
