@@ -14,6 +14,7 @@ metrics.jsonl, curves.png, samples.txt, summary.md, final/ (save_pretrained), ch
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from tqdm.auto import tqdm
 from SimpleTorchLLMRL.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from SimpleTorchLLMRL.cli import UsageError, check_args, fail, load_policy, parse_args
 from SimpleTorchLLMRL.data import DatasetError, batch_at, load_data
+from SimpleTorchLLMRL.env.async_rollouts import AsyncProducer, RolloutQueue
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
 from SimpleTorchLLMRL.env.ToolQASolve import ToolUseEnv
 from SimpleTorchLLMRL.evaluate import episode_stats, evaluate, render_rollouts, summary_table
@@ -110,20 +112,33 @@ def main(argv: list[str] | None = None) -> int:
     eval_rollouts = run_eval(0)[1] if start == 0 else None  # the warm start
     train_samples = None
 
+    def rollouts_for(step: int, version: int, weights=None) -> list:
+        """The step's episodes: its rows, its seed, sampled by `weights` (default: the training model)."""
+        rows = batch_at(train_rows, (step - 1) * args.batch_size, args.batch_size, args.seed)
+        generator = sampler.generator(seed=step_seed(args.seed, step), policy_version=version, model=weights)
+        return collect_rollouts(generator, env, [r["question"] for r in rows], [r["answer"] for r in rows],
+                                group_size=args.group_size)  # (batch_size * group_size,) group-major
+
+    producer = queue = None
+    if args.async_staleness is not None:  # generation in a thread, on a copy of the weights, K versions behind
+        weights = copy.deepcopy(model).eval()
+        queue = RolloutQueue(max_staleness=args.async_staleness)
+        producer = AsyncProducer(lambda step, version: rollouts_for(step, version, weights), queue,
+                                 steps=range(start + 1, args.steps + 1), apply=weights.load_state_dict,
+                                 version=start).start()
+
     # ---- 4. the loop
     t_start = time.time()
     bar = tqdm(range(start + 1, args.steps + 1), initial=start, total=args.steps, desc="GRPO", unit="step",
                dynamic_ncols=True)
     for step in bar:
         t0 = time.time()
-        rows = batch_at(train_rows, (step - 1) * args.batch_size, args.batch_size, args.seed)
-        generator = sampler.generator(seed=step_seed(args.seed, step))
-        rollouts = collect_rollouts(generator, env, [r["question"] for r in rows], [r["answer"] for r in rows],
-                                    group_size=args.group_size)  # (batch_size * group_size,) group-major
+        rollouts = queue.get(current_version=step - 1) if queue is not None else rollouts_for(step, step - 1)
         rewards = reward_fn(rollouts, [r.metadata["answer"] for r in rollouts])  # (B,)
         t_gen = time.time() - t0
 
         model.train()
+        grpo.policy_version = step - 1  # optimizer steps taken: staleness = this - the sampling version
         prepared = grpo.prepare(rollouts, rewards)  # advantages; the sampled log-probs are the old policy
         drift_parts = []  # (micro-batch, the trainer's log-probs of its sampled tokens) for the drift report
         for micro in prepared.split(args.micro_batch_size):  # each micro-batch keeps the full normalizer
@@ -134,12 +149,15 @@ def main(argv: list[str] | None = None) -> int:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         sampler.sync(model)  # vLLM: push the new weights; HF: nothing to do
+        if producer is not None:
+            producer.publish(model.state_dict(), version=step)  # the producer samples with them next
 
         stats = episode_stats(rollouts, rewards)
         logger.log(step, {"reward": rewards.mean(), "tool_rate": stats["tool_rate"], "tokens": stats["tokens"],
                           "loss": grpo.metrics["loss"], "entropy": grpo.metrics["entropy"],
                           "clip_frac": grpo.metrics["clip_frac"],
                           "frac_zero_advantage": grpo.metrics["frac_zero_advantage"], "grad_norm": grad_norm,
+                          "staleness": grpo.metrics.get("staleness_mean", 0.0),
                           "lr": scheduler.get_last_lr()[0], "gen_seconds": t_gen, "step_seconds": time.time() - t0,
                           # sampled vs recomputed log-probs, per role / agent and the worst message
                           **{f"drift/{k}": v for k, v in logprob_drift(rollouts, drift_parts).summary().items()}},
@@ -153,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             save_checkpoint(out / "checkpoints", step, model, optimizer, scheduler,
                             state={"data_position": step * args.batch_size, "args": vars(args)})
     bar.close()
+    if producer is not None:
+        producer.stop()
 
     # ---- 5. outputs: final model, curves, sample rollouts, summary table
     if eval_rollouts is None:  # resumed a finished run: greedy rollouts for samples.txt, not logged

@@ -57,11 +57,13 @@ class Sampler:
             self.engine = vllm.LLM(model_name, logprobs_mode=mode, enable_lora=adapter, seed=0)
             self.sync(model)
 
-    def generator(self, seed: int, greedy: bool = False) -> ModelGenerate:
+    def generator(self, seed: int, greedy: bool = False, policy_version: int = 0, model=None) -> ModelGenerate:
+        """model: sample with these weights instead (the async producer's copy)."""
         extra = {"lora_request": self.lora_request} if self.engine is not None and self.lora_request else {}
-        return ModelGenerate(self.engine if self.engine is not None else self.model, self.tokenizer,
-                             max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                             do_sample=not greedy, tool_call_stop=self.stop_strings, seed=seed, **extra)
+        engine = self.engine if self.engine is not None else (model if model is not None else self.model)
+        return ModelGenerate(engine, self.tokenizer, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                             do_sample=not greedy, tool_call_stop=self.stop_strings, seed=seed,
+                             policy_version=policy_version, **extra)
 
     def sync(self, model) -> None:
         """Push the training weights into the vLLM engine (no-op for HF)."""

@@ -146,6 +146,7 @@ def _bad_input_cases(tmp: Path, model: Path):
         "unreadable dataset": (["--model", str(model), "--dataset", str(unreadable)], "--dataset"),
         "dataset without fields": (["--model", str(model), "--dataset", str(no_fields)], "'question'"),
         "steps 0": (["--model", str(model), "--steps", "0"], "--steps must be >= 1"),
+        "negative staleness": (["--model", str(model), "--async-staleness", "-1"], "--async-staleness must be >= 0"),
         "output dir is a file": (["--model", str(model), "--output-dir", str(a_file)], "is a file"),
     }
 
@@ -262,3 +263,15 @@ def test_lora_run_saves_a_loadable_adapter(tmp_path, capfd):
     model = AutoPeftModelForCausalLM.from_pretrained(out / "final")
     lora = {k: v for k, v in model.state_dict().items() if "lora_B" in k}
     assert lora and any(v.abs().sum() > 0 for v in lora.values())  # B starts at zero: the adapter trained
+
+
+def test_async_run_trains_with_bounded_staleness(tmp_path, capfd):
+    out = tmp_path / "async"
+    code = load_main().main([*SMALL, "--steps", "4", "--eval-every", "0", "--async-staleness", "1",
+                             "--output-dir", str(out)])
+    assert code == 0, capfd.readouterr().err[-3000:]
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "train/staleness" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0]["train/staleness"] == 0 and all(0 <= r["train/staleness"] <= 1 for r in rows)
+    assert max(r["train/staleness"] for r in rows) == 1  # the producer did run ahead
+    assert all(r["train/drift/tokens"] > 0 for r in rows)

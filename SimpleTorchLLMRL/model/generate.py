@@ -174,7 +174,8 @@ class ModelGenerate:
     finish_reason "tool_call" (e.g. "</tool_call>"). eos_token_ids: ids that end a turn (default:
     tokenizer EOS + model generation-config EOS). seed: makes the sequence of calls reproducible.
     batch_size: HF backend only, at most this many sequences per `generate` call (None: all at
-    once); vLLM schedules its own batches.
+    once); vLLM schedules its own batches. policy_version: stamped on every sampled message; bump it
+    after each optimizer step (the HF backend samples with the live model), `push_weights` bumps it.
     """
 
     def __init__(self, model, tokenizer=None, max_new_tokens: int = 50, temperature: float = 0.7,
@@ -182,7 +183,7 @@ class ModelGenerate:
                  stop: str | Sequence[str] | None = None, *, tool_call_stop: str | Sequence[str] | None = None,
                  eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
                  batch_size: int | None = None, backend: str = "auto", lora_request=None,
-                 vllm_kwargs: dict | None = None):
+                 vllm_kwargs: dict | None = None, policy_version: int = 0):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size <= 0):
@@ -210,6 +211,7 @@ class ModelGenerate:
             self.backend = HFBackend(model, tokenizer, self.config, batch_size)
         self.model = getattr(self.backend, "llm", model)  # the engine when built from a model path
         self.tokenizer = tokenizer
+        self.policy_version = int(policy_version)
         if not eos_token_ids:
             self.config.eos_token_ids = default_eos_ids(tokenizer, getattr(self.backend, "model", None))
 
@@ -266,7 +268,8 @@ class ModelGenerate:
 
     def _message(self, s: Sample) -> Message:
         return Message(s.text, MessageType.MODEL, token_ids=s.token_ids, logprobs=s.logprobs,
-                       finish_reason=s.finish_reason, temperature=self.backend.logprob_temperature)
+                       finish_reason=s.finish_reason, temperature=self.backend.logprob_temperature,
+                       policy_version=self.policy_version)
 
     def rollout_generate_response(self, rollout: Rollout) -> Message:
         """One MODEL message for `rollout` (not appended)."""
@@ -296,8 +299,10 @@ class ModelGenerate:
 
     # -- weight sync / colocation (no-ops for the HF backend, which generates with the live model)
     def push_weights(self, model=None, mode: str = "merged") -> None:
-        """Copy a training model's weights into the inference engine (vLLM); HF: nothing to do."""
+        """Copy a training model's weights into the inference engine (vLLM; HF: nothing to copy) and bump
+        `policy_version`: the messages sampled next come from the new weights."""
         self.backend.push_weights(model, mode)
+        self.policy_version += 1
 
     def sleep(self, level: int = 1) -> None:
         self.backend.sleep(level)

@@ -43,7 +43,13 @@ from SimpleTorchLLMRL.trainer.losses import (
     default_normalizer,
     truncated_is_weight,
 )
-from SimpleTorchLLMRL.trainer.rollout_batch import RolloutTrainer, TrainBatch, check_rewards, trained_mask
+from SimpleTorchLLMRL.trainer.rollout_batch import (
+    RolloutTrainer,
+    TrainBatch,
+    check_rewards,
+    staleness_metrics,
+    trained_mask,
+)
 
 __all__ = ["GRPO", "GRPOConfig", "TrainBatch"]
 
@@ -205,7 +211,8 @@ class GRPO(RolloutTrainer):
         metrics = {"reward_mean": r.mean().item(), "reward_std": r.std().item() if len(r) > 1 else 0.0,
                    "advantage_mean": adv.mean().item(), "advantage_abs_mean": adv.abs().mean().item(),
                    "frac_zero_advantage": (adv == 0).float().mean().item(),
-                   "frac_constant_groups": 1 - A.nonconstant_groups(r, group).float().mean().item()}
+                   "frac_constant_groups": 1 - A.nonconstant_groups(r, group).float().mean().item(),
+                   **staleness_metrics(rollouts, self.policy_version)}
         norm = default_normalizer(self.config.spec.aggregate, mask, self.config.max_tokens)
         device = batch.input_ids.device
         return TrainBatch(batch, mask, r.to(device), temperature, norm, advantages=adv.to(device),

@@ -31,6 +31,7 @@ from SimpleTorchLLMRL.trainer.rollout_batch import (
     check_rewards,
     model_device,
     old_and_tis,
+    staleness_metrics,
     trained_mask,
 )
 
@@ -149,7 +150,8 @@ class PPO(RolloutTrainer):
         temperature = self.resolve_temperature(batch)
         tb = TrainBatch(batch, mask, r.to(batch.input_ids.device), temperature, float(mask.sum()),
                         ref_logprobs=self.reference_logprobs(batch, mask, temperature),
-                        metrics={"reward_mean": r.mean().item(), "reward_std": r.std().item() if len(r) > 1 else 0.0})
+                        metrics={"reward_mean": r.mean().item(), "reward_std": r.std().item() if len(r) > 1 else 0.0,
+                                 **staleness_metrics(rollouts, self.policy_version)})
         if compute_old:
             with torch.no_grad():
                 logp, _, values = self._forward(batch, mask, temperature)

@@ -43,6 +43,16 @@ def trained_mask(batch: Batch) -> torch.Tensor:
     return mask
 
 
+def staleness_metrics(rollouts: list[Rollout], current: int | None) -> dict[str, float]:
+    """Versions behind the current policy of the sampled turns: mean and max (empty without versions)."""
+    versions = [m.policy_version for r in rollouts for m in r if m.token_ids is not None
+                and m.policy_version is not None]
+    if current is None or not versions:
+        return {}
+    behind = [current - v for v in versions]
+    return {"staleness_mean": sum(behind) / len(behind), "staleness_max": float(max(behind))}
+
+
 def is_peft_model(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 
@@ -130,6 +140,7 @@ class RolloutTrainer:
             raise ValueError(f"{self.name}: beta={config.beta} > 0 needs a reference: pass ref_model= "
                              "(e.g. copy.deepcopy(model).eval()) or use a peft model (its adapter is disabled)")
         self.metrics: dict[str, float] = {}
+        self.policy_version: int | None = None  # the trainer's current version: staleness metrics when set
         self.token_logprobs: torch.Tensor | None = None  # (B, T) of the last loss call, NaN where not trained
 
     def calculate_loss(self, rollouts, rewards=None, normalizer: float | None = None) -> torch.Tensor:

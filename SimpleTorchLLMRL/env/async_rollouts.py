@@ -1,0 +1,160 @@
+"""Asynchronous generation with bounded staleness: a producer thread fills a queue the trainer drains.
+
+    queue = RolloutQueue(max_staleness=1)
+    producer = AsyncProducer(lambda step, version: collect_rollouts(make_generator(version), env, ...),
+                             queue, steps=range(1, steps + 1), apply=lambda sd: sampler_model.load_state_dict(sd))
+    producer.start()
+    for step in range(1, steps + 1):
+        rollouts = queue.get(current_version=step - 1)      # never older than max_staleness versions
+        ... loss.backward(); optimizer.step()
+        producer.publish(model.state_dict(), version=step)  # applied between two producer batches
+    producer.stop()
+
+The producer samples with its own copy of the weights (HF: a copy of the model; vLLM: the
+engine); `publish` stages new weights and the producer applies them before its next batch, so a
+batch is sampled by one version, which every sampled message records (`Message.policy_version`).
+The batch for step s (trained at version s - 1) is only started once version s - 1 - max_staleness
+is published, so the producer runs at most `max_staleness` steps ahead; a batch that is still too
+old when taken (e.g. a producer fed from elsewhere) is dropped, or kept with `stale="keep"` for the
+trainer's truncated importance sampling to correct (`GRPO(..., tis_cap=2.0)`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from SimpleTorchLLMRL.chat.message import Rollout
+
+
+def oldest_version(rollouts: list[Rollout]) -> int | None:
+    """The smallest policy version among the batch's sampled messages (None if none is recorded)."""
+    versions = [m.policy_version for r in rollouts for m in r if m.token_ids is not None and m.policy_version is not None]
+    return min(versions) if versions else None
+
+
+class RolloutQueue:
+    """Batches of rollouts between a producer and the trainer, at most `max_staleness` versions old."""
+
+    def __init__(self, max_staleness: int, stale: str = "drop", maxsize: int | None = None):
+        if not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ValueError(f"max_staleness must be an int >= 0, got {max_staleness!r}")
+        if stale not in ("drop", "keep"):
+            raise ValueError(f"stale must be 'drop' or 'keep', got {stale!r}")
+        self.max_staleness, self.stale = max_staleness, stale
+        self.maxsize = max(1, max_staleness) if maxsize is None else maxsize
+        self._items: deque = deque()
+        self._cond = threading.Condition()
+        self.dropped = 0  # batches dropped for staleness
+        self.closed = False
+        self.error: BaseException | None = None
+
+    def put(self, batch: list[Rollout]) -> bool:
+        """Add a batch, waiting while the queue is full; False if the queue was closed meanwhile."""
+        with self._cond:
+            self._cond.wait_for(lambda: len(self._items) < self.maxsize or self.closed)
+            if self.closed:
+                return False
+            self._items.append(batch)
+            self._cond.notify_all()
+            return True
+
+    def get(self, current_version: int, timeout: float | None = None) -> list[Rollout]:
+        """The next batch no more than `max_staleness` versions behind `current_version`.
+
+        Too-old batches are dropped (counted in `dropped`) unless `stale="keep"`. Raises the
+        producer's exception if it failed, TimeoutError after `timeout` seconds, EOFError when
+        the producer is finished and nothing is left.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                while self._items:
+                    batch = self._items.popleft()
+                    self._cond.notify_all()
+                    oldest = oldest_version(batch)
+                    if self.stale == "drop" and oldest is not None and current_version - oldest > self.max_staleness:
+                        self.dropped += 1
+                        continue
+                    return batch
+                if self.error is not None:
+                    raise RuntimeError("the rollout producer failed") from self.error
+                if self.closed:
+                    raise EOFError("the rollout producer has finished")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("no rollouts arrived in time")
+                self._cond.wait(left)
+
+    def close(self, error: BaseException | None = None) -> None:
+        with self._cond:
+            self.closed = True
+            self.error = error
+            self._cond.notify_all()
+
+
+class AsyncProducer:
+    """Calls `produce(step, version) -> rollouts` for each step in a background thread, into a queue.
+
+    apply: installs published weights in the producer's sampler (e.g. `copy_model.load_state_dict`);
+    it runs in the producer thread, between batches.
+    """
+
+    def __init__(self, produce: Callable[[int, int], list[Rollout]], queue: RolloutQueue, steps: Iterable[int],
+                 apply: Callable[[dict], None] | None = None, version: int = 0):
+        self.produce, self.queue, self.steps, self.apply = produce, queue, list(steps), apply
+        self.version = version
+        self._published = version  # the newest version the trainer has published
+        self._staged: tuple[dict, int] | None = None
+        self._lock = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+        self.busy_seconds = 0.0  # time spent producing (for overlap measurements)
+
+    def start(self) -> AsyncProducer:
+        self._thread.start()
+        return self
+
+    def publish(self, state_dict: dict, version: int) -> None:
+        """Stage new weights (copied now, on the caller's thread); the producer applies them next."""
+        staged = {k: v.detach().clone() for k, v in state_dict.items()}
+        with self._lock:
+            self._staged = (staged, version)
+            self._published = version
+            self._lock.notify_all()
+
+    def _take_weights(self) -> None:
+        with self._lock:
+            staged, self._staged = self._staged, None
+        if staged is not None:
+            if self.apply is not None:
+                self.apply(staged[0])
+            self.version = staged[1]
+
+    def _wait_for_version(self, needed: int) -> bool:
+        """Block until the trainer has published `needed` (False if the queue closed meanwhile)."""
+        with self._lock:
+            while self._published < needed and not self.queue.closed:
+                self._lock.wait(0.1)
+            return not self.queue.closed
+
+    def _run(self) -> None:
+        try:
+            for step in self.steps:
+                # step s trains at version s - 1: sample it with weights at most max_staleness behind
+                if not self._wait_for_version(step - 1 - self.queue.max_staleness):
+                    return
+                self._take_weights()
+                t0 = time.perf_counter()
+                batch = self.produce(step, self.version)
+                self.busy_seconds += time.perf_counter() - t0
+                if not self.queue.put(batch):
+                    return
+            self.queue.close()
+        except BaseException as e:  # surfaced to the trainer by queue.get
+            self.queue.close(error=e)
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        self.queue.close()
+        self._thread.join(timeout)
