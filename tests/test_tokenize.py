@@ -362,3 +362,16 @@ def test_trainable_message_after_a_sampled_turn(chatml_tokenizer):
     trained = [(i, x) for i, x, m in zip(enc.message_index, enc.input_ids, enc.loss_mask, strict=True) if m]
     assert [x for _, x in trained] == sampled + ids(tok, "teach me") + ids(tok, "<|im_end|>")
     assert [i for i, _ in trained] == [1] * len(sampled) + [3] * (len(trained) - len(sampled))
+
+
+def test_encoding_from_two_threads_at_once(chatml_tokenizer):
+    """A rollout producer thread and the trainer share the template's memo."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tok = chatml_tokenizer
+    rollouts = [Rollout([Message(f"question {i}", U), Message(f"answer {i}", M, token_ids=ids(tok, f"answer {i}")),
+                         Message(f"tool {i % 7}", T)]) for i in range(3000)]
+    want = [encode_prompt(r, tok) for r in rollouts]
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda r: encode_prompt(r, tok), rollouts))
+    assert got == want

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 import weakref
 from collections import OrderedDict
 
@@ -78,6 +79,7 @@ class ChatTemplate:
         self.template_kwargs = dict(template_kwargs or {})
         self.kwargs = {**tokenizer.special_tokens_map, **self.template_kwargs}
         self._memo: OrderedDict = OrderedDict()
+        self._memo_lock = threading.Lock()
         self.end_of_turn: tuple[str, ...] = self._find_end_of_turn()
         self.has_generation_prompt = self._find_generation_prompt()
         self.turn_end_ids = self._turn_end_ids()
@@ -91,10 +93,11 @@ class ChatTemplate:
         """`apply_chat_template(chat, tokenize=False, ...)`, memoized; template errors name the conversation."""
         tools = self.tools
         key = (_key(chat), generation_prompt)
-        hit = self._memo.get(key)
-        if hit is not None:
-            self._memo.move_to_end(key)
-            return hit
+        with self._memo_lock:  # a producer thread and the trainer may encode at once
+            hit = self._memo.get(key)
+            if hit is not None:
+                self._memo.move_to_end(key)
+                return hit
         if not chat and not generation_prompt:
             return ""
         try:
@@ -106,9 +109,10 @@ class ChatTemplate:
                 "this order of roles or these fields; reorder or merge the messages (e.g. fold tool results into "
                 "a user message) or use a template that allows them"
             ) from e
-        self._memo[key] = text
-        if len(self._memo) > _MEMO_SIZE:
-            self._memo.popitem(last=False)
+        with self._memo_lock:
+            self._memo[key] = text
+            if len(self._memo) > _MEMO_SIZE:
+                self._memo.popitem(last=False)
         return text
 
     def _try_render(self, chat, generation_prompt=False) -> str | None:
@@ -356,16 +360,18 @@ class ChatTemplate:
 
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CACHE_LOCK = threading.RLock()
 
 
 def chat_template_for(tokenizer, tools=None, template_kwargs: dict | None = None) -> ChatTemplate:
     """A cached `ChatTemplate` per tokenizer, template source and options."""
     key = (repr(tokenizer.chat_template), _key(tools), _key(template_kwargs or {}))
-    try:
-        per_tok = _CACHE.setdefault(tokenizer, {})
-    except TypeError:  # not weak-referenceable: no cache
-        return ChatTemplate(tokenizer, tools, template_kwargs)
-    ct = per_tok.get(key)
-    if ct is None:
-        ct = per_tok[key] = ChatTemplate(tokenizer, tools, template_kwargs)
-    return ct
+    with _CACHE_LOCK:
+        try:
+            per_tok = _CACHE.setdefault(tokenizer, {})
+        except TypeError:  # not weak-referenceable: no cache
+            per_tok = {}
+        ct = per_tok.get(key)
+        if ct is None:
+            ct = per_tok[key] = ChatTemplate(tokenizer, tools, template_kwargs)
+        return ct
