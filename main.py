@@ -36,6 +36,7 @@ from SimpleTorchLLMRL.tasks.arithmetic import SYSTEM_PROMPT
 from SimpleTorchLLMRL.tools.calculator import calculator
 from SimpleTorchLLMRL.train_loop import (
     EVAL_STREAM,
+    BackgroundEval,
     Sampler,
     save_final_model,
     seed_everything,
@@ -94,16 +95,22 @@ def main(argv: list[str] | None = None) -> int:
     trim_metrics(out / "metrics.jsonl", start)  # a resumed run rewrites what followed its checkpoint
     logger = MetricsLogger(out, use_wandb=args.wandb, config=vars(args), append=start > 0, console=False)
 
+    def evaluate_at(step: int, policy, full: bool = True) -> tuple[dict, list]:
+        return evaluate(policy, tokenizer, env, reward_fn, held_out, k=args.pass_k,
+                        k_problems=min(args.pass_k_size, len(held_out)) if full else 0,
+                        seed=step_seed(args.seed, step, EVAL_STREAM), temperature=args.temperature,
+                        max_new_tokens=args.max_new_tokens, engine=sampler.engine)
+
+    def log_eval(step: int, report: dict) -> None:
+        logger.log(step, report, prefix="eval/")
+        tqdm.write(f"[step {step}] held-out greedy accuracy {report['accuracy']:.3f}  "
+                   f"pass@{args.pass_k} {report.get(f'pass@{args.pass_k}', float('nan')):.3f}  "
+                   f"greedy tool use {report['greedy_tool_rate']:.2f}")
+
     def run_eval(step: int, log: bool = True) -> tuple[dict, list]:
-        report, rollouts = evaluate(model, tokenizer, env, reward_fn, held_out, k=args.pass_k,
-                                    k_problems=min(args.pass_k_size, len(held_out)) if log else 0,
-                                    seed=step_seed(args.seed, step, EVAL_STREAM), temperature=args.temperature,
-                                    max_new_tokens=args.max_new_tokens, engine=sampler.engine)
+        report, rollouts = evaluate_at(step, model, full=log)
         if log:
-            logger.log(step, report, prefix="eval/")
-            tqdm.write(f"[step {step}] held-out greedy accuracy {report['accuracy']:.3f}  "
-                       f"pass@{args.pass_k} {report.get(f'pass@{args.pass_k}', float('nan')):.3f}  "
-                       f"greedy tool use {report['greedy_tool_rate']:.2f}")
+            log_eval(step, report)
         return report, rollouts
 
     n_train = sum(p.numel() for p in params)
@@ -119,13 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         return collect_rollouts(generator, env, [r["question"] for r in rows], [r["answer"] for r in rows],
                                 group_size=args.group_size)  # (batch_size * group_size,) group-major
 
-    producer = queue = None
+    producer = queue = background = None
     if args.async_staleness is not None:  # generation in a thread, on a copy of the weights, K versions behind
         weights = copy.deepcopy(model).eval()
         queue = RolloutQueue(max_staleness=args.async_staleness)
         producer = AsyncProducer(lambda step, version: rollouts_for(step, version, weights), queue,
                                  steps=range(start + 1, args.steps + 1), apply=weights.load_state_dict,
                                  version=start).start()
+        background = BackgroundEval(model, evaluate_at)  # held-out evaluations on a third copy, in a thread
 
     # ---- 4. the loop
     t_start = time.time()
@@ -166,13 +174,20 @@ def main(argv: list[str] | None = None) -> int:
 
         train_samples = (rollouts[: args.group_size], rewards[: args.group_size].tolist())
         if step == args.steps or (args.eval_every and step % args.eval_every == 0):
-            eval_rollouts = run_eval(step)[1]
+            if background is not None:
+                background.submit(step, model)
+            else:
+                eval_rollouts = run_eval(step)[1]
+        for eval_step, report, rollouts in background.finished(wait=step == args.steps) if background else []:
+            log_eval(eval_step, report)
+            eval_rollouts = rollouts
         if step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0):
             save_checkpoint(out / "checkpoints", step, model, optimizer, scheduler,
                             state={"data_position": step * args.batch_size, "args": vars(args)})
     bar.close()
     if producer is not None:
         producer.stop()
+        background.close()
 
     # ---- 5. outputs: final model, curves, sample rollouts, summary table
     if eval_rollouts is None:  # resumed a finished run: greedy rollouts for samples.txt, not logged

@@ -5,9 +5,12 @@ Nothing here runs the loop; `main.py` does, top to bottom.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -104,3 +107,36 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+class BackgroundEval:
+    """Held-out evaluations on a copy of the weights, in a worker thread, so training goes on (async mode).
+
+    evaluate_at(step, model) -> (report, rollouts). `finished()` hands back completed evaluations in
+    step order; `finished(wait=True)` waits for all of them.
+    """
+
+    def __init__(self, model, evaluate_at):
+        self.copy = copy.deepcopy(model).eval()
+        self.evaluate_at = evaluate_at
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="held-out-eval")
+        self.pending: deque = deque()
+
+    def submit(self, step: int, model) -> None:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # the weights of this step
+
+        def job():
+            self.copy.load_state_dict(state)
+            return self.evaluate_at(step, self.copy)
+
+        self.pending.append((step, self.pool.submit(job)))
+
+    def finished(self, wait: bool = False) -> list[tuple[int, dict, list]]:
+        out = []
+        while self.pending and (wait or self.pending[0][1].done()):
+            step, future = self.pending.popleft()
+            out.append((step, *future.result()))
+        return out
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)

@@ -275,3 +275,6 @@ def test_async_run_trains_with_bounded_staleness(tmp_path, capfd):
     assert rows[0]["train/staleness"] == 0 and all(0 <= r["train/staleness"] <= 1 for r in rows)
     assert max(r["train/staleness"] for r in rows) == 1  # the producer did run ahead
     assert all(r["train/drift/tokens"] > 0 for r in rows)
+    evals = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "eval/accuracy" in r]
+    assert evals == [0, 4]  # the warm start, then the last step's evaluation from the background thread
+    assert (out / "summary.md").exists() and (out / "samples.txt").exists()
