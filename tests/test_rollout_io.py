@@ -2,7 +2,6 @@
 
 import json
 import math
-import threading
 import time
 
 import pytest
@@ -171,7 +170,6 @@ def test_queue_drops_or_keeps_stale_batches_and_surfaces_producer_errors():
 
 def test_producer_applies_published_weights_between_batches():
     applied, seen = [], []
-    gate = threading.Event()
 
     def produce(step, version):
         seen.append(version)
@@ -181,7 +179,6 @@ def test_producer_applies_published_weights_between_batches():
     producer = AsyncProducer(produce, queue, steps=[1, 2], apply=lambda sd: applied.append(sd["w"].item())).start()
     assert queue.get(current_version=0, timeout=10)[0][1].policy_version == 0
     producer.publish({"w": torch.tensor(7.0)}, version=1)
-    gate.set()
     assert queue.get(current_version=1, timeout=10)[0][1].policy_version == 1
     producer.stop()
     assert applied == [7.0] and seen == [0, 1]
