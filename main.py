@@ -178,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
                 background.submit(step, model)
             else:
                 eval_rollouts = run_eval(step)[1]
-        for eval_step, report, rollouts in background.finished(wait=step == args.steps) if background else []:
+        for eval_step, report, held_out_rollouts in background.finished(wait=step == args.steps) if background else []:
             log_eval(eval_step, report)
-            eval_rollouts = rollouts
+            eval_rollouts = held_out_rollouts
         if step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0):
             save_checkpoint(out / "checkpoints", step, model, optimizer, scheduler,
                             state={"data_position": step * args.batch_size, "args": vars(args)})

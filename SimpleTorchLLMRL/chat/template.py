@@ -19,7 +19,6 @@ rendered string. Every "cannot" raises a ValueError naming the cause and the fix
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import threading
@@ -80,9 +79,13 @@ class ChatTemplate:
         self.kwargs = {**tokenizer.special_tokens_map, **self.template_kwargs}
         self._memo: OrderedDict = OrderedDict()
         self._memo_lock = threading.Lock()
+        added = tokenizer.added_tokens_decoder.values()
+        self._added = sorted({str(a) for a in added if str(a)}, key=len, reverse=True)  # longest first
+        self._special = frozenset(str(a) for a in added if getattr(a, "special", False) and str(a))
         self.end_of_turn: tuple[str, ...] = self._find_end_of_turn()
         self.has_generation_prompt = self._find_generation_prompt()
         self.turn_end_ids = self._turn_end_ids()
+        self.anchor = self._anchor()
 
     def without_tools(self) -> ChatTemplate:
         return chat_template_for(self.tokenizer, None, self.template_kwargs)
@@ -147,24 +150,15 @@ class ChatTemplate:
                 found[tok] = None
         return tuple(found)
 
-    def _is_special(self, token: str) -> bool:
-        return any(str(a) == token and getattr(a, "special", False) for a in self.tokenizer.added_tokens_decoder.values())
-
     def _special_token_after(self, text: str, pos: int) -> str | None:
-        hits = [(i, s) for a in self.tokenizer.added_tokens_decoder.values()
-                if getattr(a, "special", False) and (s := str(a)) and (i := text.find(s, pos)) >= 0]
+        hits = [(i, s) for s in self._special if (i := text.find(s, pos)) >= 0]
         return min(hits)[1] if hits else None
 
     def _added_token_at(self, text: str, pos: int) -> str | None:
-        """The added token that starts at `pos` after optional whitespace, if any."""
+        """The (longest) added token that starts at `pos` after optional whitespace, if any."""
         while pos < len(text) and text[pos].isspace():
             pos += 1
-        best = None
-        for added in self.tokenizer.added_tokens_decoder.values():
-            s = str(added)
-            if s and text.startswith(s, pos) and (best is None or len(s) > len(best)):
-                best = s
-        return best
+        return next((s for s in self._added if text.startswith(s, pos)), None)
 
     def next_end_of_turn(self, text: str, pos: int) -> tuple[int, int] | None:
         """(start, end) of the first end-of-turn token at or after `pos`."""
@@ -178,14 +172,12 @@ class ChatTemplate:
     def _turn_end_ids(self) -> frozenset[int]:
         """Ids that end a sampled turn: the template's end-of-turn tokens, EOS, and any special added token."""
         tok = self.tokenizer
-        ids = {i for i, a in tok.added_tokens_decoder.items() if getattr(a, "special", False)}
-        ids |= {tok.convert_tokens_to_ids(t) for t in self.end_of_turn}
+        ids = {tok.convert_tokens_to_ids(t) for t in (*self._special, *self.end_of_turn)}
         if tok.eos_token_id is not None:
             ids.add(tok.eos_token_id)
         return frozenset(i for i in ids if i is not None)
 
-    @functools.cache  # noqa: B019 (one per ChatTemplate, which are cached per tokenizer)
-    def anchor(self) -> str:
+    def _anchor(self) -> str:
         """Text that ends in an added token: anchor + piece is tokenized as the piece would be mid-text.
 
         A letter comes first so that the piece is not the text's first section (SentencePiece tokenizers
@@ -198,10 +190,10 @@ class ChatTemplate:
 
     # ------------------------------------------------------------------ spans of trainable messages
 
-    def spans(self, chat: list[dict], indices: list[int], text: str, generation_prompt: bool,
-              offset: int = 0) -> list[tuple[int, int, int]]:
-        """(index - offset, start, end) in `text` = render(chat, generation_prompt) for each message index."""
-        return [(i - offset, *self._span(chat, i, text, generation_prompt)) for i in indices]
+    def spans(self, chat: list[dict], indices: list[int], text: str,
+              generation_prompt: bool) -> list[tuple[int, int, int]]:
+        """(index, start, end) in `text` = render(chat, generation_prompt) for each message index."""
+        return [(i, *self._span(chat, i, text, generation_prompt)) for i in indices]
 
     def _span(self, chat: list[dict], i: int, text: str, generation_prompt: bool) -> tuple[int, int]:
         msg, span = chat[i], None
@@ -273,7 +265,7 @@ class ChatTemplate:
             if eot is not None and (names or not gap.strip()):
                 return start, eot[1]
             closing = self._added_token_at(text, end)  # a special token right after the content closes the turn
-            if closing is not None and self._is_special(closing):
+            if closing in self._special:
                 return start, text.index(closing, end) + len(closing)
             return start, end
         raise ValueError(self._rewritten(chat, i))

@@ -168,7 +168,7 @@ def _plan(rollout: Rollout, tokenizer, for_prompt: bool) -> list:
         elif prev is not None and (s > start or gen):
             ended = bool(rollout[prev].token_ids) and rollout[prev].token_ids[-1] in ct.turn_end_ids
             text, spans = ct.continuation(chat[prev], chat[start:s], gen, ended, [j - start for j in trainable])
-            anchor = ct.anchor()
+            anchor = ct.anchor
             plan.append(_Text(anchor + text, len(anchor),
                               tuple((start + j, a + len(anchor), b + len(anchor)) for j, a, b in spans)))
         if not last:
