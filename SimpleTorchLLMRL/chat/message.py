@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy as _copy
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -223,3 +223,8 @@ class Rollout:
             if type is None or m.type is type:
                 return m
         return None
+
+
+def sampled_versions(rollouts: Iterable[Rollout]) -> list[int]:
+    """The policy versions recorded on the sampled MODEL turns of `rollouts` (turns without one skipped)."""
+    return [m.policy_version for r in rollouts for m in r if m.token_ids is not None and m.policy_version is not None]

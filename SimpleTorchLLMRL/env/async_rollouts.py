@@ -26,12 +26,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from SimpleTorchLLMRL.chat.message import Rollout
+from SimpleTorchLLMRL.chat.message import Rollout, sampled_versions
 
 
 def oldest_version(rollouts: list[Rollout]) -> int | None:
     """The smallest policy version among the batch's sampled messages (None if none is recorded)."""
-    versions = [m.policy_version for r in rollouts for m in r if m.token_ids is not None and m.policy_version is not None]
+    versions = sampled_versions(rollouts)
     return min(versions) if versions else None
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from SimpleTorchLLMRL.chat.message import Rollout
+from SimpleTorchLLMRL.chat.message import Rollout, sampled_versions
 from SimpleTorchLLMRL.chat.tokenize import Batch, rollouts_to_batch
 from SimpleTorchLLMRL.model.logprobs import token_logprobs
 from SimpleTorchLLMRL.trainer.losses import truncated_is_weight
@@ -45,8 +45,7 @@ def trained_mask(batch: Batch) -> torch.Tensor:
 
 def staleness_metrics(rollouts: list[Rollout], current: int | None) -> dict[str, float]:
     """Versions behind the current policy of the sampled turns: mean and max (empty without versions)."""
-    versions = [m.policy_version for r in rollouts for m in r if m.token_ids is not None
-                and m.policy_version is not None]
+    versions = sampled_versions(rollouts)
     if current is None or not versions:
         return {}
     behind = [current - v for v in versions]
