@@ -22,19 +22,20 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from SimpleTorchLLMRL.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from SimpleTorchLLMRL.cli import UsageError, check_args, fail, load_policy, parse_args
-from SimpleTorchLLMRL.data import DatasetError, batch_at, load_data
 from SimpleTorchLLMRL.env.async_rollouts import AsyncProducer, RolloutQueue
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
 from SimpleTorchLLMRL.env.ToolQASolve import ToolUseEnv
-from SimpleTorchLLMRL.evaluate import episode_stats, evaluate, render_rollouts, summary_table
-from SimpleTorchLLMRL.logging import MetricsLogger, read_metrics
-from SimpleTorchLLMRL.plots import plot_curves
-from SimpleTorchLLMRL.reward.boxed import BoxedReward
-from SimpleTorchLLMRL.tasks.arithmetic import SYSTEM_PROMPT
-from SimpleTorchLLMRL.tools.calculator import calculator
-from SimpleTorchLLMRL.train_loop import (
+from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
+from SimpleTorchLLMRL.recipes.calculator.cli import UsageError, check_args, fail, load_policy, parse_args
+from SimpleTorchLLMRL.recipes.calculator.data import DatasetError, batch_at, load_data
+from SimpleTorchLLMRL.recipes.calculator.evaluate import (
+    episode_stats,
+    evaluate,
+    render_rollouts,
+    summary_table,
+)
+from SimpleTorchLLMRL.recipes.calculator.plots import plot_curves
+from SimpleTorchLLMRL.recipes.calculator.train_loop import (
     EVAL_STREAM,
     BackgroundEval,
     Sampler,
@@ -45,8 +46,12 @@ from SimpleTorchLLMRL.train_loop import (
     warmup_constant,
     write_atomic,
 )
+from SimpleTorchLLMRL.reward.boxed import BoxedReward
+from SimpleTorchLLMRL.tools.calculator import calculator
 from SimpleTorchLLMRL.trainer.drift import logprob_drift
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
+from SimpleTorchLLMRL.utils.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from SimpleTorchLLMRL.utils.metrics import MetricsLogger, read_metrics
 
 # Flags a resumed run must share with the run it continues (--steps may grow).
 RESUME_MUST_MATCH = ("model", "dataset", "lora", "qlora", "batch_size", "group_size", "lr", "seed", "temperature",

@@ -1,41 +1,55 @@
 """SimpleTorchLLMRL: small, composable PyTorch primitives for RL on language models.
 
-The public names below are importable from the package itself; each is loaded
-on first use (PEP 562), so `import SimpleTorchLLMRL` stays light and has no
-side effects.
+The front door holds the names a user's loop needs; everything else is imported
+from its sub-package (see the README's file map). Each name loads on first use
+(PEP 562), so `import SimpleTorchLLMRL` stays light and has no side effects.
+
+Names that an earlier release exported here (the Router-R1 recipe's, the encode
+helpers', the rollout files') still resolve, but are not part of `__all__`.
 """
 
 from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {
+_FRONT_DOOR = {
     "SimpleTorchLLMRL.chat.message": ["Message", "MessageType", "Rollout"],
-    "SimpleTorchLLMRL.chat.tokenize": ["Batch", "EncodedRollout", "collate", "encode_prompt", "encode_rollout",
-                                       "encode_rollouts", "rollouts_to_batch", "as_sampled"],
-    "SimpleTorchLLMRL.chat.rollout_io": ["save_rollouts", "load_rollouts", "RolloutWriter"],
+    "SimpleTorchLLMRL.chat.tokenize": ["encode_rollout", "rollouts_to_batch"],
     "SimpleTorchLLMRL.model.generate": ["ModelGenerate"],
-    "SimpleTorchLLMRL.model.logprobs": ["token_logprobs"],
-    "SimpleTorchLLMRL.trainer.GRPO": ["GRPO"],
-    "SimpleTorchLLMRL.trainer.PPO": ["PPO"],
-    "SimpleTorchLLMRL.trainer.drift": ["logprob_drift"],
     "SimpleTorchLLMRL.env.base": ["Env"],
     "SimpleTorchLLMRL.env.rollouts": ["collect_rollouts"],
+    "SimpleTorchLLMRL.trainer.GRPO": ["GRPO"],
+    "SimpleTorchLLMRL.trainer.PPO": ["PPO"],
+    "SimpleTorchLLMRL.reward.boxed": ["BoxedReward"],
+    "SimpleTorchLLMRL.tools": ["tool", "ToolRegistry"],
+}
+
+_EARLIER = {
+    "SimpleTorchLLMRL.chat.tokenize": ["Batch", "EncodedRollout", "collate", "encode_prompt", "encode_rollouts",
+                                       "as_sampled"],
+    "SimpleTorchLLMRL.chat.rollout_io": ["save_rollouts", "load_rollouts", "RolloutWriter"],
+    "SimpleTorchLLMRL.model.logprobs": ["token_logprobs"],
+    "SimpleTorchLLMRL.trainer.drift": ["logprob_drift"],
     "SimpleTorchLLMRL.env.QASolve": ["QASolverEnv"],
     "SimpleTorchLLMRL.env.ToolQASolve": ["ToolUseEnv"],
-    "SimpleTorchLLMRL.tools": ["Tool", "ToolRegistry", "tool"],
-    "SimpleTorchLLMRL.reward.boxed": ["BoxedReward"],
+    "SimpleTorchLLMRL.tools": ["Tool"],
     "SimpleTorchLLMRL.reward": ["CombinedReward"],
-    "SimpleTorchLLMRL.logging": ["MetricsLogger"],
-    "SimpleTorchLLMRL.router_r1": [
+    "SimpleTorchLLMRL.utils.metrics": ["MetricsLogger"],
+    "SimpleTorchLLMRL.recipes.router_r1": [
         "RouterDataConfig", "RouterGenerationConfig", "RouterToolConfig", "RouterRewardConfig",
         "RouterTrainerConfig", "RouterValidationConfig", "RouterTrainingConfig", "RouterGenerationManager",
         "RouterEnv", "RouterReward", "RouterR1Trainer", "RoutingPool", "CallableModel", "HFModel", "OpenAIModel",
     ],
 }
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = sorted(_WHERE)
+
+def _where(table: dict[str, list[str]]) -> dict[str, str]:
+    return {name: module for module, names in table.items() for name in names}
+
+
+_WHERE = _where(_EARLIER) | _where(_FRONT_DOOR)
+
+__all__ = sorted(_where(_FRONT_DOOR))
 
 
 def __getattr__(name: str):

@@ -14,7 +14,7 @@ import time
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import collate, encode_rollouts
-from SimpleTorchLLMRL.tiny import tiny_tokenizer
+from SimpleTorchLLMRL.testing.tiny import tiny_tokenizer
 
 
 def make_rollouts(tok, n, hand_written=False):

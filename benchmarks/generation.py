@@ -18,7 +18,7 @@ import torch
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.model.generate import ModelGenerate
-from SimpleTorchLLMRL.tiny import tiny_model, tiny_tokenizer
+from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 QUESTIONS = [
     "What is 12 + 35?", "How many apples are left?", "def f(x): return x ** 2 + 1. What is f(3)?",

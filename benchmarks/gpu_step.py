@@ -119,7 +119,7 @@ def run_case(shape: dict, lora: bool, args, device, dtype, peak: float) -> dict:
     import torch
 
     from SimpleTorchLLMRL.model.generate import ModelGenerate
-    from SimpleTorchLLMRL.tiny import tiny_tokenizer
+    from SimpleTorchLLMRL.testing.tiny import tiny_tokenizer
     from SimpleTorchLLMRL.trainer.GRPO import GRPO
 
     tok = tiny_tokenizer("chatml")

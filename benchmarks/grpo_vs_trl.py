@@ -3,7 +3,7 @@
 Legend: V vocab, B = 16 prompts x 4 completions = 64 sequences, N = 64 new tokens.
 
 Both sides: the same tiny random-init Qwen2 (2 layers, hidden 64, tied
-embeddings) and tokenizer (`SimpleTorchLLMRL.tiny`, ChatML), the same 16 prompts,
+embeddings) and tokenizer (`SimpleTorchLLMRL.testing.tiny`, ChatML), the same 16 prompts,
 4 completions each, exactly 64 new tokens (TRL: `min_new_tokens=64`; ours: an
 end-of-turn id outside the vocabulary, so no row stops early), temperature
 1.0, HF `generate` on both sides, beta=0 (no reference pass), a constant
@@ -108,7 +108,7 @@ class _Profile:
 
 
 def _build(vocab: int):
-    from SimpleTorchLLMRL.tiny import tiny_model, tiny_tokenizer
+    from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
     tok = tiny_tokenizer("chatml")
     model = tiny_model("qwen2", tok, vocab_size=vocab, hidden_size=64, num_layers=2)

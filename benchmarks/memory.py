@@ -149,7 +149,7 @@ def save_checkpoint(path: str, args) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
-    from SimpleTorchLLMRL.tiny import tiny_tokenizer
+    from SimpleTorchLLMRL.testing.tiny import tiny_tokenizer
 
     tok = tiny_tokenizer("chatml")  # text for the prompts; the model may have a larger vocabulary
     vocab = max(args.vocab or 0, len(tok))

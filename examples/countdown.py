@@ -28,14 +28,14 @@ from pathlib import Path
 import torch
 
 from SimpleTorchLLMRL.env import ToolUseEnv, collect_rollouts, tool_stats
-from SimpleTorchLLMRL.logging import MetricsLogger
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.reward import FunctionReward, extract_boxed
-from SimpleTorchLLMRL.tiny import (
+from SimpleTorchLLMRL.testing.tiny import (
     load_model_or_tiny as load_model,  # a dir / hub id, "random", or the embedded model
 )
 from SimpleTorchLLMRL.tools import CalculatorError, calculator, evaluate
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
+from SimpleTorchLLMRL.utils.metrics import MetricsLogger
 
 FORMAT_CREDIT = 0.1
 QUESTION = ("Using the numbers {numbers}, create an expression that equals {target}. Use each number exactly "

@@ -24,9 +24,9 @@ import torch
 
 from SimpleTorchLLMRL.env import ToolUseEnv, collect_rollouts
 from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.recipes.calculator import arithmetic
 from SimpleTorchLLMRL.reward import BoxedReward
-from SimpleTorchLLMRL.tasks import arithmetic
-from SimpleTorchLLMRL.tiny import load_model_or_tiny
+from SimpleTorchLLMRL.testing.tiny import load_model_or_tiny
 from SimpleTorchLLMRL.tools import calculator
 from SimpleTorchLLMRL.trainer.drift import logprob_drift
 from SimpleTorchLLMRL.trainer.GRPO import GRPO

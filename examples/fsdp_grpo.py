@@ -9,7 +9,7 @@
         --rdzv_backend=c10d --rdzv_endpoint=$MASTER_ADDR:29500 --rdzv_id=grpo \\
         examples/fsdp_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --lora --mixed-precision bf16
 
-Without --model the policy is a random tiny Qwen2 (`SimpleTorchLLMRL.tiny`): it shows
+Without --model the policy is a random tiny Qwen2 (`SimpleTorchLLMRL.testing.tiny`): it shows
 the mechanics (sharded generation, the global normalizer, gathering weights), not
 learning. The loop is the plain one from the README; the distributed parts are
 `init_distributed`, `wrap_fsdp2`, `data_parallel_normalizer` and `full_state_dict`.
@@ -41,10 +41,10 @@ from SimpleTorchLLMRL.env.rollouts import collect_rollouts
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.model.lora import apply_lora
 from SimpleTorchLLMRL.model.weight_sync import export_adapter
+from SimpleTorchLLMRL.recipes.calculator.arithmetic import build_dataset
 from SimpleTorchLLMRL.reward.boxed import BoxedReward
 from SimpleTorchLLMRL.reward.combine import CombinedReward
 from SimpleTorchLLMRL.reward.length import LengthPenalty
-from SimpleTorchLLMRL.tasks.arithmetic import build_dataset
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
 
 
@@ -65,7 +65,7 @@ def parse_args(argv=None):
 
 def load_policy(args, device):
     if args.model is None:
-        from SimpleTorchLLMRL.tiny import tiny_model, tiny_tokenizer
+        from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
         tokenizer = tiny_tokenizer("chatml")
         model = tiny_model("qwen2", tokenizer, seed=args.seed)

@@ -21,9 +21,9 @@ import torch
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt, rollouts_to_batch
-from SimpleTorchLLMRL.multiagent import agent_turns, set_trainable_agents, take_turn, view_for_agent
+from SimpleTorchLLMRL.env.multiagent import agent_turns, set_trainable_agents, take_turn, view_for_agent
 from SimpleTorchLLMRL.reward import BoxedReward, CombinedReward, LengthPenalty
-from SimpleTorchLLMRL.tiny import tiny_model, tiny_tokenizer
+from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 SYSTEM = "You are in a debate. Argue step by step and give the final answer in \\boxed{}."
 

@@ -38,8 +38,8 @@ import torch.nn.functional as F
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import as_sampled, collate, encode_prompt, encode_rollouts
-from SimpleTorchLLMRL.tasks import arithmetic as A
-from SimpleTorchLLMRL.tiny import CHATML_SPECIALS, CHATML_TEMPLATE, TINY_CALC
+from SimpleTorchLLMRL.recipes.calculator import arithmetic as A
+from SimpleTorchLLMRL.testing.tiny import CHATML_SPECIALS, CHATML_TEMPLATE, TINY_CALC
 
 ASSET_DIR = TINY_CALC
 
@@ -173,7 +173,7 @@ def build_tokenizer(rollouts: list[Rollout], vocab_size: int, digits_per_token: 
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from SimpleTorchLLMRL.tiny import tiny_tokenizer
+    from SimpleTorchLLMRL.testing.tiny import tiny_tokenizer
 
     if digits_per_token not in (1, 2, 3):
         raise ValueError(f"digits_per_token must be 1, 2 or 3, got {digits_per_token}")
@@ -345,10 +345,10 @@ def write_readme(path: Path, args, seconds: float, cpu: float, final_loss: float
 
 A {n_params / 1e6:.2f}M-parameter Llama-architecture causal LM (hidden {args.hidden}, {args.layers} layers,
 {args.heads} heads, tied embeddings) with a {len_vocab(path)}-token byte-level BPE (numbers in chunks of
-{args.digits_per_token} digits) and the ChatML template `SimpleTorchLLMRL.tiny.CHATML_TEMPLATE`.
+{args.digits_per_token} digits) and the ChatML template `SimpleTorchLLMRL.testing.tiny.CHATML_TEMPLATE`.
 Made by `examples/pretrain_tiny.py` (see its docstring): a supervised warm-up of {args.steps} steps of
 batch {args.batch_size} on {args.examples} transcripts of the train split of
-`SimpleTorchLLMRL.tasks.arithmetic`, where the calculator tool is used for {args.p_tool_mul:.0%} of the
+`SimpleTorchLLMRL.recipes.calculator.arithmetic`, where the calculator tool is used for {args.p_tool_mul:.0%} of the
 multiplications and {args.p_tool:.0%} of the additions/subtractions, the rest answered directly
 ({args.p_wrong:.0%} of them deliberately wrong); {args.p_practice:.0%} of all transcripts are practice
 calculator episodes whose tool-or-not token is not trained. It knows the format, uses the calculator for most

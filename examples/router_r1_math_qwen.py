@@ -22,8 +22,7 @@ import time
 
 import torch
 
-from SimpleTorchLLMRL.reward.math import extract_boxed
-from SimpleTorchLLMRL.router_r1 import (
+from SimpleTorchLLMRL.recipes.router_r1 import (
     CallableModel,
     HFModel,
     LocalGenerator,
@@ -33,6 +32,7 @@ from SimpleTorchLLMRL.router_r1 import (
     RoutingPool,
     load_rows,
 )
+from SimpleTorchLLMRL.reward.math import extract_boxed
 from SimpleTorchLLMRL.tools.calculator import evaluate
 
 SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
@@ -116,7 +116,7 @@ def build_config(args, output_dir: str) -> RouterTrainingConfig:
 
 def load_models(args, device: str):
     if args.dry_run:
-        from SimpleTorchLLMRL.tiny import tiny_model, tiny_tokenizer
+        from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
         tok = tiny_tokenizer("chatml")
         tool_dir = tempfile.mkdtemp(prefix="router_r1_tiny_tool_")

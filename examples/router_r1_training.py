@@ -5,7 +5,7 @@
 
 The pool: `calculator` (exact, Python callable, 0.01 $ a call), `guesser` (a callable
 that answers a wrong number, 0.001 $), and two names served by ONE shared tiny HF model
-(`tiny-a`, `tiny-b`). The policy is a random-init tiny Qwen2 from `SimpleTorchLLMRL.tiny`;
+(`tiny-a`, `tiny-b`). The policy is a random-init tiny Qwen2 from `SimpleTorchLLMRL.testing.tiny`;
 `--warmup-steps` of supervised warm-up on scripted episodes teach it the tag format first
 (think -> search -> information -> answer), so that PPO starts from well-formed rollouts.
 Everything (warm-up, training, validation) runs on CPU in under 2 minutes.
@@ -22,7 +22,7 @@ import torch
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import rollouts_to_batch
-from SimpleTorchLLMRL.router_r1 import (
+from SimpleTorchLLMRL.recipes.router_r1 import (
     CallableModel,
     HFModel,
     LocalGenerator,
@@ -30,7 +30,7 @@ from SimpleTorchLLMRL.router_r1 import (
     RouterTrainingConfig,
     RoutingPool,
 )
-from SimpleTorchLLMRL.tiny import tiny_model, tiny_tokenizer
+from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 from SimpleTorchLLMRL.tools.calculator import evaluate
 
 TOY_PROMPT = "Models: {models}\nQuestion: {question}\n"

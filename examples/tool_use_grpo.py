@@ -27,15 +27,15 @@ import torch
 
 from SimpleTorchLLMRL.chat.message import MessageType
 from SimpleTorchLLMRL.env import ToolUseEnv, collect_rollouts, tool_stats
-from SimpleTorchLLMRL.logging import MetricsLogger
 from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.recipes.calculator import arithmetic
 from SimpleTorchLLMRL.reward import BoxedReward, CombinedReward, FormatReward
-from SimpleTorchLLMRL.tasks import arithmetic
-from SimpleTorchLLMRL.tiny import (
+from SimpleTorchLLMRL.testing.tiny import (
     load_model_or_tiny as load_model,  # a dir / hub id, "random", or the embedded model
 )
 from SimpleTorchLLMRL.tools import calculator
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
+from SimpleTorchLLMRL.utils.metrics import MetricsLogger
 
 
 def episode_stats(rollouts) -> dict[str, float]:

@@ -9,7 +9,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from SimpleTorchLLMRL.tiny import tiny_model, tiny_tokenizer  # noqa: E402
+from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
 # Tiny models gain nothing from intra-op threads; one thread avoids oversubscribing small CI machines.
 torch.set_num_threads(1)

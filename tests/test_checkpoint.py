@@ -5,9 +5,14 @@ import numpy as np
 import pytest
 import torch
 
-from SimpleTorchLLMRL.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
-from SimpleTorchLLMRL.logging import MetricsLogger, read_metrics
-from SimpleTorchLLMRL.tiny import tiny_model
+from SimpleTorchLLMRL.testing.tiny import tiny_model
+from SimpleTorchLLMRL.utils.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from SimpleTorchLLMRL.utils.metrics import MetricsLogger, read_metrics
 
 
 def _train_step(model, opt):

@@ -130,7 +130,7 @@ def test_empty_questions():
 
 def test_with_the_real_generator_every_turn_keeps_the_prefix_invariant(chatml_tokenizer):
     from SimpleTorchLLMRL.model.generate import ModelGenerate
-    from SimpleTorchLLMRL.tiny import tiny_model
+    from SimpleTorchLLMRL.testing.tiny import tiny_model
 
     tok = chatml_tokenizer
     gen = ModelGenerate(tiny_model("qwen2", tok), tok, max_new_tokens=6, temperature=1.0, seed=0)

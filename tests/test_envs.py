@@ -111,7 +111,7 @@ def test_collect_rollouts_drives_the_tool_env(chatml_tokenizer):
 def test_real_generator_smoke(chatml_tokenizer):
     """The real generator conditions on the tool schemas the env exposes (the prompt is ~600 tiny-BPE tokens)."""
     from SimpleTorchLLMRL.model.generate import ModelGenerate
-    from SimpleTorchLLMRL.tiny import tiny_model
+    from SimpleTorchLLMRL.testing.tiny import tiny_model
 
     env = ToolUseEnv([calculator], max_turns=2)
     model = tiny_model("qwen2", chatml_tokenizer, max_position_embeddings=1024)

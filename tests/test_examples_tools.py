@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from SimpleTorchLLMRL.logging import read_metrics
 from SimpleTorchLLMRL.tools import evaluate
+from SimpleTorchLLMRL.utils.metrics import read_metrics
 from tests.scripted_agent import model_message
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -66,7 +66,7 @@ def generate(model, tokenizer, prompts):
 
 def build(variant: str, tokenizer):
     from SimpleTorchLLMRL.model.lora import apply_lora
-    from SimpleTorchLLMRL.tiny import tiny_model
+    from SimpleTorchLLMRL.testing.tiny import tiny_model
 
     model = tiny_model("qwen2", tokenizer).train()  # tied embeddings: the root group shares one tensor
     if variant == "lora":  # random B so both LoRA halves get gradients in the first step
@@ -92,7 +92,7 @@ def _worker(out_path: str) -> None:
         shard_indices,
     )
     from SimpleTorchLLMRL.model.weight_sync import adapter_weights, export_adapter, vllm_weights
-    from SimpleTorchLLMRL.tiny import tiny_tokenizer
+    from SimpleTorchLLMRL.testing.tiny import tiny_tokenizer
     from SimpleTorchLLMRL.trainer.GRPO import GRPO
 
     torch.set_num_threads(1)
@@ -204,7 +204,7 @@ def test_weight_sync_from_fsdp2(two_rank_results, variant, chatml_tokenizer):
     """vllm_weights / export_adapter gather from the shards: base names and shapes, the reference's values."""
     from safetensors.torch import load_file
 
-    from SimpleTorchLLMRL.tiny import tiny_model
+    from SimpleTorchLLMRL.testing.tiny import tiny_model
 
     r = two_rank_results[variant]
     base = tiny_model("qwen2", chatml_tokenizer).state_dict()
@@ -247,7 +247,7 @@ def test_single_process_defaults(monkeypatch):
 def test_transformer_blocks_and_checks(chatml_tokenizer, plain_tokenizer):
     from SimpleTorchLLMRL.distributed.fsdp import mixed_precision_policy, transformer_blocks, wrap_fsdp2
     from SimpleTorchLLMRL.model.lora import apply_lora
-    from SimpleTorchLLMRL.tiny import tiny_model
+    from SimpleTorchLLMRL.testing.tiny import tiny_model
 
     qwen = tiny_model("qwen2", chatml_tokenizer, num_layers=3)
     blocks = transformer_blocks(qwen)

@@ -6,8 +6,9 @@ from generation_helpers import peaked, reference_logprobs
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout
-from SimpleTorchLLMRL.model.generate import ModelGenerate, SamplingConfig, cut_sample, default_eos_ids
-from SimpleTorchLLMRL.tiny import tiny_model, tiny_tokenizer
+from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.sampling import SamplingConfig, cut_sample, default_eos_ids
+from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 ARCH = {"chatml": "qwen2", "llama3": "llama", "plain": "gpt2"}
 
@@ -259,7 +260,7 @@ def test_unseeded_calls_draw_fresh_samples_from_the_global_rng(chatml_tokenizer)
     """Without a seed, two calls on the same prompt must not replay the same RNG stream."""
     from SimpleTorchLLMRL.chat.message import Message, Rollout
     from SimpleTorchLLMRL.model.generate import ModelGenerate
-    from SimpleTorchLLMRL.tiny import tiny_model
+    from SimpleTorchLLMRL.testing.tiny import tiny_model
 
     model = tiny_model("qwen2", chatml_tokenizer)
     gen = ModelGenerate(model, chatml_tokenizer, max_new_tokens=12, temperature=1.0)

@@ -7,7 +7,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from SimpleTorchLLMRL.model.logprobs import fused_token_loss, logprobs_from_hidden, token_logprobs
-from SimpleTorchLLMRL.tiny import tiny_model, tiny_tokenizer
+from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 
 def naive_from_hidden(h, W, b, y, temperature):

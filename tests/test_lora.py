@@ -14,7 +14,7 @@ from SimpleTorchLLMRL.model.lora import (
     save_adapter,
     trainable_parameter_names,
 )
-from SimpleTorchLLMRL.tiny import tiny_model
+from SimpleTorchLLMRL.testing.tiny import tiny_model
 
 
 def token_logprobs64(model, ids: torch.Tensor) -> torch.Tensor:

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from SimpleTorchLLMRL.cli import DEFAULT_MODEL
-from SimpleTorchLLMRL.data import DatasetError, batch_at, check_rows, load_data, read_rows
-from SimpleTorchLLMRL.evaluate import pass_at_k, summary_table
-from SimpleTorchLLMRL.logging import read_metrics
-from SimpleTorchLLMRL.train_loop import step_seed, trim_metrics
+from SimpleTorchLLMRL.recipes.calculator.cli import DEFAULT_MODEL
+from SimpleTorchLLMRL.recipes.calculator.data import DatasetError, batch_at, check_rows, load_data, read_rows
+from SimpleTorchLLMRL.recipes.calculator.evaluate import pass_at_k, summary_table
+from SimpleTorchLLMRL.recipes.calculator.train_loop import step_seed, trim_metrics
+from SimpleTorchLLMRL.utils.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = Path(os.environ.get("MAIN_TEST_MODEL", DEFAULT_MODEL))  # the embedded model unless told otherwise
@@ -125,7 +125,7 @@ def test_summary_table_lists_every_evaluation():
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A random-init Llama with the tiny ChatML tokenizer (bad-input cases never train it)."""
-    from SimpleTorchLLMRL.tiny import tiny_model, tiny_tokenizer
+    from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
     path = tmp_path_factory.mktemp("tiny_model")
     tok = tiny_tokenizer("chatml", padding_side="left")

@@ -8,7 +8,7 @@ import pytest
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout
-from SimpleTorchLLMRL.multiagent import (
+from SimpleTorchLLMRL.env.multiagent import (
     agent_message,
     agent_turns,
     agents_in,

@@ -14,7 +14,7 @@ from losses_helpers import (
     trained_positions,
 )
 
-from SimpleTorchLLMRL.tiny import tiny_model
+from SimpleTorchLLMRL.testing.tiny import tiny_model
 from SimpleTorchLLMRL.trainer import advantages as A
 from SimpleTorchLLMRL.trainer.PPO import PPO
 

@@ -34,9 +34,19 @@ def test_every_exported_name_resolves(name):
 
 
 def test_router_r1_names_exported_from_the_package():
+    """Earlier users imported the Router-R1 configs from the package: they still resolve (outside `__all__`)."""
     for name in ROUTER_NAMES:
-        assert name in SimpleTorchLLMRL.__all__
-        assert getattr(SimpleTorchLLMRL, name).__module__.startswith("SimpleTorchLLMRL.router_r1")
+        assert getattr(SimpleTorchLLMRL, name).__module__.startswith("SimpleTorchLLMRL.recipes.router_r1")
+
+
+EARLIER_NAMES = ["Batch", "EncodedRollout", "collate", "encode_prompt", "encode_rollouts", "as_sampled",
+                 "save_rollouts", "load_rollouts", "RolloutWriter", "token_logprobs", "logprob_drift",
+                 "QASolverEnv", "ToolUseEnv", "Tool", "CombinedReward", "MetricsLogger"]
+
+
+@pytest.mark.parametrize("name", EARLIER_NAMES)
+def test_names_exported_by_an_earlier_release_still_resolve(name):
+    assert getattr(SimpleTorchLLMRL, name) is not None
 
 
 def test_unknown_name_is_an_attribute_error():

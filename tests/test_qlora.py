@@ -21,7 +21,7 @@ from SimpleTorchLLMRL.model.lora import (
     save_adapter,
     trainable_parameter_names,
 )
-from SimpleTorchLLMRL.tiny import tiny_model
+from SimpleTorchLLMRL.testing.tiny import tiny_model
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # bitsandbytes / peft CPU notices

@@ -16,7 +16,7 @@ import torch
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import rollouts_to_batch
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
-from SimpleTorchLLMRL.router_r1 import (
+from SimpleTorchLLMRL.recipes.router_r1 import (
     CallableModel,
     HFModel,
     LocalGenerator,
@@ -32,7 +32,7 @@ from SimpleTorchLLMRL.router_r1 import (
     make_policy_generator,
     parse_action,
 )
-from SimpleTorchLLMRL.tiny import tiny_model, tiny_tokenizer
+from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ from SimpleTorchLLMRL.chat.message import Message, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.model.hf_backend import BLOCK, inverse_cdf_sample
-from SimpleTorchLLMRL.tiny import tiny_model, tiny_tokenizer
+from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 
 def chi_square_ok(counts: torch.Tensor, probs: torch.Tensor) -> tuple[bool, float, float]:

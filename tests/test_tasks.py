@@ -11,7 +11,7 @@ import torch
 
 from SimpleTorchLLMRL.chat.message import MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import as_sampled, encode_prompt, encode_rollout
-from SimpleTorchLLMRL.tasks import arithmetic as A
+from SimpleTorchLLMRL.recipes.calculator import arithmetic as A
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSET = ROOT / "SimpleTorchLLMRL" / "assets" / "tiny_calc"
@@ -160,7 +160,7 @@ def tiny_calc():
 
 @needs_asset
 def test_asset_is_small_and_loads_with_its_template(tiny_calc):
-    from SimpleTorchLLMRL.tiny import CHATML_TEMPLATE
+    from SimpleTorchLLMRL.testing.tiny import CHATML_TEMPLATE
 
     model, tok = tiny_calc
     size = sum(f.stat().st_size for f in ASSET.iterdir() if f.is_file())

@@ -260,7 +260,7 @@ def test_mixed_sampling_temperatures_rejected(chatml_tokenizer):
 
 
 def _with_template(template: str):
-    from SimpleTorchLLMRL.tiny import tiny_tokenizer
+    from SimpleTorchLLMRL.testing.tiny import tiny_tokenizer
 
     tok = tiny_tokenizer("chatml")
     tok.chat_template = template

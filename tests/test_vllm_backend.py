@@ -12,7 +12,7 @@ from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.model.vllm import logprobs_mode_problem, push_weights
-from SimpleTorchLLMRL.tiny import tiny_model, tiny_tokenizer
+from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def test_logprobs_mode_that_cannot_give_the_right_quantity_is_refused(vllm, tok,
 
 
 def test_logprobs_mode_rules():
-    from SimpleTorchLLMRL.model.generate import SamplingConfig
+    from SimpleTorchLLMRL.model.sampling import SamplingConfig
 
     ok = [("raw_logprobs", SamplingConfig(temperature=1.0, top_k=5)), ("processed_logprobs", SamplingConfig()),
           ("raw_logprobs", SamplingConfig(do_sample=False, temperature=0.3))]

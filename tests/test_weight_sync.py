@@ -25,7 +25,7 @@ from SimpleTorchLLMRL.model.weight_sync import (
     strip_peft_name,
     vllm_weights,
 )
-from SimpleTorchLLMRL.tiny import tiny_model, tiny_tokenizer
+from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 PROMPT = [5, 17, 42, 99, 7]
 

@@ -189,15 +189,11 @@ class Rollout:
 
     def to_dict(self) -> dict[str, Any]:
         """Everything about the rollout as JSON-ready data (see `chat.rollout_io`)."""
-        from SimpleTorchLLMRL.chat.rollout_io import rollout_to_dict
-
         return rollout_to_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Rollout:
         """The inverse of `to_dict`."""
-        from SimpleTorchLLMRL.chat.rollout_io import rollout_from_dict
-
         return rollout_from_dict(d)
 
     def to_chat(self) -> list[dict[str, Any]]:
@@ -228,3 +224,68 @@ class Rollout:
 def sampled_versions(rollouts: Iterable[Rollout]) -> list[int]:
     """The policy versions recorded on the sampled MODEL turns of `rollouts` (turns without one skipped)."""
     return [m.policy_version for r in rollouts for m in r if m.token_ids is not None and m.policy_version is not None]
+
+
+# ---------------------------------------------------------------------- records (JSON-ready dicts; files in chat.rollout_io)
+
+FORMAT_VERSION = 1
+SKIPPED_METADATA = ("env_state",)  # live environment objects from collect_rollouts
+_FIELDS = ("name", "trainable", "token_ids", "logprobs", "tool_calls", "tool_call_id", "finish_reason",
+           "temperature", "policy_version")
+
+
+def message_to_dict(m: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    for f in _FIELDS:
+        value = getattr(m, f)
+        if value is not None:
+            out[f] = value
+    return out
+
+
+def message_from_dict(d: dict[str, Any]) -> Message:
+    unknown = set(d) - {"role", "content", *_FIELDS}
+    if unknown:
+        raise ValueError(f"message record has unknown fields {sorted(unknown)}")
+    return Message(d["content"], MessageType.from_role(d["role"]), **{f: d[f] for f in _FIELDS if d.get(f) is not None})
+
+
+def _json_value(value, where: str) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where} is {value}: not representable in JSON")
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _json_value(v, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{where} has a non-str key {k!r}")
+            _json_value(v, f"{where}[{k!r}]")
+        return
+    raise ValueError(f"{where} is a {type(value).__name__}, which a rollout file cannot hold; convert it to JSON "
+                     "(str, numbers, bools, None, lists, dicts) or leave it out")
+
+
+def rollout_to_dict(rollout: Rollout, skip_metadata: Iterable[str] = SKIPPED_METADATA) -> dict[str, Any]:
+    """A JSON-ready dict of the rollout; raises ValueError naming a metadata key that is not JSON."""
+    skip = set(skip_metadata)
+    metadata = {k: v for k, v in rollout.metadata.items() if k not in skip}
+    for k, v in metadata.items():
+        if not isinstance(k, str):
+            raise ValueError(f"metadata key {k!r} is not a str")
+        _json_value(v, f"metadata[{k!r}]")
+    return {"format_version": FORMAT_VERSION, "messages": [message_to_dict(m) for m in rollout],
+            "metadata": metadata}
+
+
+def rollout_from_dict(d: dict[str, Any]) -> Rollout:
+    version = d.get("format_version")
+    if version is None or not isinstance(version, int):
+        raise ValueError("not a rollout record: no format_version")
+    if version > FORMAT_VERSION:
+        raise ValueError(f"rollout record of format version {version}, newer than this library's "
+                         f"{FORMAT_VERSION}; upgrade SimpleTorchLLMRL to read it")
+    return Rollout([message_from_dict(m) for m in d["messages"]], d.get("metadata") or {})

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from SimpleTorchLLMRL.model.generate import Sample, SamplingConfig, cut_sample, find_stop, stop_window
+from SimpleTorchLLMRL.model.sampling import Sample, SamplingConfig, cut_sample, find_stop, stop_window
 
 
 class _LogprobRecorder:

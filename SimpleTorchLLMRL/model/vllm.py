@@ -34,7 +34,7 @@ from collections.abc import Iterable
 
 import torch
 
-from SimpleTorchLLMRL.model.generate import Sample, SamplingConfig
+from SimpleTorchLLMRL.model.sampling import Sample, SamplingConfig
 
 _INSTALL_HINT = "the vLLM backend needs the optional vllm extra: run `uv sync --extra vllm` (vLLM needs a CUDA GPU)"
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")

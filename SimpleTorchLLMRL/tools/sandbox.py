@@ -47,7 +47,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from SimpleTorchLLMRL.tools import landlock
+import SimpleTorchLLMRL.tools.landlock as landlock
 from SimpleTorchLLMRL.tools.base import Tool
 
 _FALLBACK_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3")

@@ -24,9 +24,9 @@ from typing import Any
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
 from SimpleTorchLLMRL.env.base import Env
-from SimpleTorchLLMRL.router_r1.config import RouterTrainingConfig
-from SimpleTorchLLMRL.router_r1.pool import RouteResult, RoutingPool
-from SimpleTorchLLMRL.router_r1.tags import Action, parse_action
+from SimpleTorchLLMRL.recipes.router_r1.config import RouterTrainingConfig
+from SimpleTorchLLMRL.recipes.router_r1.pool import RouteResult, RoutingPool
+from SimpleTorchLLMRL.recipes.router_r1.tags import Action, parse_action
 
 SEARCH_STOP, ANSWER_STOP = "</search>", "</answer>"
 CALL_STATUSES = ("ok", "error", "unknown_model", "over_budget", "not_routed")

@@ -6,7 +6,7 @@ Hydra setup), `pool` for the candidate models, `generation` for the episodes, `r
 for the reward and `trainer` for `RouterR1Trainer`.
 """
 
-from SimpleTorchLLMRL.router_r1.config import (
+from SimpleTorchLLMRL.recipes.router_r1.config import (
     AGENT_PROMPT,
     ROUTER_PROMPT,
     RouterDataConfig,
@@ -17,15 +17,15 @@ from SimpleTorchLLMRL.router_r1.config import (
     RouterTrainingConfig,
     RouterValidationConfig,
 )
-from SimpleTorchLLMRL.router_r1.data import load_rows, prepare_rows
-from SimpleTorchLLMRL.router_r1.generation import (
+from SimpleTorchLLMRL.recipes.router_r1.data import load_rows, prepare_rows
+from SimpleTorchLLMRL.recipes.router_r1.generation import (
     RouteCall,
     RouterEnv,
     RouterGenerationManager,
     RouterState,
     make_policy_generator,
 )
-from SimpleTorchLLMRL.router_r1.pool import (
+from SimpleTorchLLMRL.recipes.router_r1.pool import (
     CallableModel,
     HFModel,
     LocalGenerator,
@@ -34,9 +34,9 @@ from SimpleTorchLLMRL.router_r1.pool import (
     RouteResult,
     RoutingPool,
 )
-from SimpleTorchLLMRL.router_r1.reward import RouterReward, RouterRewardOutput
-from SimpleTorchLLMRL.router_r1.tags import Action, final_answer, format_problems, parse_action
-from SimpleTorchLLMRL.router_r1.trainer import RouterR1Trainer
+from SimpleTorchLLMRL.recipes.router_r1.reward import RouterReward, RouterRewardOutput
+from SimpleTorchLLMRL.recipes.router_r1.tags import Action, final_answer, format_problems, parse_action
+from SimpleTorchLLMRL.recipes.router_r1.trainer import RouterR1Trainer
 
 __all__ = [
     "AGENT_PROMPT",

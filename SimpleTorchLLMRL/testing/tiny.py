@@ -16,7 +16,7 @@ import functools
 from pathlib import Path
 
 # The embedded pretrained default model (built by examples/pretrain_tiny.py).
-TINY_CALC = Path(__file__).resolve().parent / "assets" / "tiny_calc"
+TINY_CALC = Path(__file__).resolve().parent.parent / "assets" / "tiny_calc"
 
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]

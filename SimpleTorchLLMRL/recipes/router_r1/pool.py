@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from SimpleTorchLLMRL.router_r1.config import AGENT_PROMPT, RouterToolConfig
+from SimpleTorchLLMRL.recipes.router_r1.config import AGENT_PROMPT, RouterToolConfig
 
 STATUSES = ("ok", "error", "unknown_model")
 

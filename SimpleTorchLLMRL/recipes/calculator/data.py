@@ -116,7 +116,7 @@ def check_rows(rows: list, spec: str) -> list[dict]:
 def load_data(spec: str | None, eval_size: int, seed: int) -> tuple[list[dict], list[dict]]:
     """(train rows, held-out rows). Synthetic: disjoint hash splits; a file: `eval_size` rows held out."""
     if spec is None:
-        from SimpleTorchLLMRL.tasks.arithmetic import build_dataset
+        from SimpleTorchLLMRL.recipes.calculator.arithmetic import build_dataset
 
         return (build_dataset(SYNTHETIC_TRAIN_SIZE, seed=seed, split="train"),
                 build_dataset(eval_size, seed=seed + 1, split="test"))

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from SimpleTorchLLMRL.tiny import TINY_CALC
+from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 
 DEFAULT_MODEL = TINY_CALC
 BACKENDS = ("hf", "vllm")

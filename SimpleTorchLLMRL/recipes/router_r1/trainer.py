@@ -29,11 +29,15 @@ from pathlib import Path
 import torch
 
 from SimpleTorchLLMRL.chat.message import MessageType
-from SimpleTorchLLMRL.router_r1.config import KL_PENALTIES, RouterTrainingConfig
-from SimpleTorchLLMRL.router_r1.data import batches, load_rows, prepare_rows
-from SimpleTorchLLMRL.router_r1.generation import RouterEnv, RouterGenerationManager, make_policy_generator
-from SimpleTorchLLMRL.router_r1.pool import RoutingPool
-from SimpleTorchLLMRL.router_r1.reward import RouterReward, RouterRewardOutput
+from SimpleTorchLLMRL.recipes.router_r1.config import KL_PENALTIES, RouterTrainingConfig
+from SimpleTorchLLMRL.recipes.router_r1.data import batches, load_rows, prepare_rows
+from SimpleTorchLLMRL.recipes.router_r1.generation import (
+    RouterEnv,
+    RouterGenerationManager,
+    make_policy_generator,
+)
+from SimpleTorchLLMRL.recipes.router_r1.pool import RoutingPool
+from SimpleTorchLLMRL.recipes.router_r1.reward import RouterReward, RouterRewardOutput
 from SimpleTorchLLMRL.trainer.losses import default_normalizer
 
 

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 
 from SimpleTorchLLMRL.chat.message import MessageType, Rollout
+from SimpleTorchLLMRL.recipes.router_r1.config import RouterRewardConfig
+from SimpleTorchLLMRL.recipes.router_r1.generation import RouterState
+from SimpleTorchLLMRL.recipes.router_r1.pool import RoutingPool
+from SimpleTorchLLMRL.recipes.router_r1.tags import final_answer, format_problems, searches
 from SimpleTorchLLMRL.reward.text import exact_match_score, f1_score
-from SimpleTorchLLMRL.router_r1.config import RouterRewardConfig
-from SimpleTorchLLMRL.router_r1.generation import RouterState
-from SimpleTorchLLMRL.router_r1.pool import RoutingPool
-from SimpleTorchLLMRL.router_r1.tags import final_answer, format_problems, searches
 
 COMPONENTS = ("answer", "missing_answer", "malformed", "unknown_model", "over_budget", "cost")
 METRICS = ("em", "f1", "routing_cost", "routed_calls", "well_formed", "answered")

@@ -16,7 +16,7 @@ from typing import Any
 
 from SimpleTorchLLMRL.chat.message import Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
-from SimpleTorchLLMRL.router_r1.config import RouterDataConfig
+from SimpleTorchLLMRL.recipes.router_r1.config import RouterDataConfig
 
 
 @dataclass
