@@ -41,12 +41,12 @@ from SimpleTorchLLMRL.trainer.losses import (
     Clip,
     aggregation_weights,
     default_normalizer,
-    truncated_is_weight,
 )
 from SimpleTorchLLMRL.trainer.rollout_batch import (
     RolloutTrainer,
     TrainBatch,
     check_rewards,
+    old_and_tis,
     staleness_metrics,
     trained_mask,
 )
@@ -129,6 +129,19 @@ class GRPOConfig:
     @property
     def ratio_level(self) -> str:
         return self.spec.ratio_level or self.importance_sampling_level
+
+
+@dataclass
+class TokenInputs:
+    """The per-token constants of GRPO's loss, each (N,) over the batch's N trained tokens."""
+
+    advantages: torch.Tensor  # the rollout's advantage, repeated on each of its tokens
+    trainer_old: torch.Tensor  # old log-probs recomputed by the trainer (NaN: not computed, on-policy)
+    sampled: torch.Tensor  # the generator's log-probs (NaN where unknown)
+    ref: torch.Tensor | None  # reference log-probs (None when beta == 0)
+    weight: torch.Tensor  # the aggregator's weight of each token (normalizer included)
+    row: torch.Tensor  # long: the rollout each token belongs to
+    rows: int  # B
 
 
 class GRPO(RolloutTrainer):
@@ -251,45 +264,42 @@ class GRPO(RolloutTrainer):
         self.token_logprobs = full  # the recomputed log-prob of each trained token, for `logprob_drift`
         return loss
 
-    def _token_inputs(self, tb: TrainBatch, select: torch.Tensor, normalizer: float) -> dict:
-        """Constants of the per-token loss, each (N,) over the trained tokens. NaN old = the current policy."""
-        cfg, mask = self.config, tb.mask
-        pick = lambda t: t[:, 1:][select]  # noqa: E731
+    def _token_inputs(self, tb: TrainBatch, select: torch.Tensor, normalizer: float) -> TokenInputs:
+        """Constants of the per-token loss over the trained tokens. NaN trainer_old = the current policy."""
+        mask = tb.mask
+        pick = lambda t: t[:, 1:][select]  # noqa: E731  (B, T) -> (N,)
         nan = torch.full(mask.shape, torch.nan, device=mask.device)
-        stored = pick(tb.old_logprobs) if tb.old_logprobs is not None else pick(nan)
-        sampled = pick(tb.batch.old_logprobs) if tb.batch.old_logprobs is not None else pick(nan)
         B = mask.shape[0]
-        return {
-            "adv": pick(tb.advantages[:, None].expand_as(mask).float()),
-            # without TIS the generator's log-probs are the old policy where known; with TIS they only reweight
-            "old": stored if cfg.tis_cap is not None else torch.where(torch.isnan(sampled), stored, sampled),
-            "sampled": sampled,
-            "ref": pick(tb.ref_logprobs) if tb.ref_logprobs is not None else None,
-            "weight": pick(aggregation_weights(cfg.spec.aggregate, mask, normalizer)),
-            "row": pick(torch.arange(B, device=mask.device)[:, None].expand_as(mask)),
-            "rows": B,
-        }
+        return TokenInputs(
+            advantages=pick(tb.advantages[:, None].expand_as(mask).float()),
+            trainer_old=pick(tb.old_logprobs if tb.old_logprobs is not None else nan),
+            sampled=pick(tb.batch.old_logprobs if tb.batch.old_logprobs is not None else nan),
+            ref=pick(tb.ref_logprobs) if tb.ref_logprobs is not None else None,
+            weight=pick(aggregation_weights(self.config.spec.aggregate, mask, normalizer)),
+            row=pick(torch.arange(B, device=mask.device)[:, None].expand_as(mask)),
+            rows=B,
+        )
 
-    def _token_terms(self, x: dict, lp: torch.Tensor, sl: slice):
+    def _token_terms(self, x: TokenInputs, lp: torch.Tensor, sl: slice):
         """(weighted per-token loss (n,), stats) for the trained tokens `sl`, from their log-probs lp (n,)."""
         cfg = self.config
-        old = x["old"][sl]
-        old = torch.where(torch.isnan(old), lp.detach(), old)
+        trainer_old = torch.where(torch.isnan(x.trainer_old[sl]), lp.detach(), x.trainer_old[sl])
+        old, tis = old_and_tis(trainer_old, x.sampled[sl], None, cfg.tis_cap)  # as PPO decides it
         if cfg.ratio_level == "sequence":  # GSPO: one length-normalized ratio per rollout (needs every token)
-            row, n = x["row"], x["rows"]
+            row, n = x.row, x.rows
             count = torch.zeros(n, device=lp.device).index_add_(0, row, torch.ones_like(lp))
             log_ratio = (torch.zeros(n, device=lp.device).index_add(0, row, lp - old) / count.clamp(min=1))[row]
         else:
             log_ratio = lp - old
-        loss, stats = cfg.spec.policy_loss(log_ratio, lp, x["adv"][sl], cfg.clip)
+        loss, stats = cfg.spec.policy_loss(log_ratio, lp, x.advantages[sl], cfg.clip)
         stats["log_ratio"] = log_ratio
-        if cfg.tis_cap is not None:
-            stats["tis"] = truncated_is_weight(old, x["sampled"][sl], cfg.tis_cap)
-            loss = loss * stats["tis"]
+        if tis is not None:
+            stats["tis"] = tis
+            loss = loss * tis
         if cfg.beta > 0:
-            stats["kl"] = KL_ESTIMATORS[cfg.kl_estimator](lp, x["ref"][sl])
+            stats["kl"] = KL_ESTIMATORS[cfg.kl_estimator](lp, x.ref[sl])
             loss = loss + cfg.beta * stats["kl"]
-        return loss * x["weight"][sl], stats
+        return loss * x.weight[sl], stats
 
     @torch.no_grad()
     def _metrics(self, tb, loss, x, logp, entropy) -> dict[str, float]:

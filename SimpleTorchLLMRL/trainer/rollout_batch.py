@@ -15,6 +15,7 @@ import torch
 from SimpleTorchLLMRL.chat.message import Rollout, sampled_versions
 from SimpleTorchLLMRL.chat.tokenize import Batch, rollouts_to_batch
 from SimpleTorchLLMRL.model.logprobs import token_logprobs
+from SimpleTorchLLMRL.model.lora import is_peft_model
 from SimpleTorchLLMRL.trainer.losses import truncated_is_weight
 
 
@@ -52,24 +53,21 @@ def staleness_metrics(rollouts: list[Rollout], current: int | None) -> dict[str,
     return {"staleness_mean": sum(behind) / len(behind), "staleness_max": float(max(behind))}
 
 
-def is_peft_model(model) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
-
-
 def model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def old_and_tis(trainer_old: torch.Tensor, sampled: torch.Tensor | None, mask: torch.Tensor,
+def old_and_tis(trainer_old: torch.Tensor, sampled: torch.Tensor | None, mask: torch.Tensor | None,
                 tis_cap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Old log-probs for the ratio, and the TIS weight (None without tis_cap), both (B, T).
+    """Old log-probs for the ratio, and the TIS weight (None without tis_cap), both shaped as `trainer_old`.
 
-    Without TIS the generator's sampled log-probs are the old policy where known
-    (trainer's recomputed ones elsewhere). With TIS the ratio uses the trainer's
-    recomputed log-probs and min(pi_trainer / pi_sampler, cap) reweights each token.
-    Untrained positions get finite values so nothing NaN reaches the graph.
+    The one place GRPO and PPO decide what "old" means. Without TIS the generator's sampled
+    log-probs are the old policy where known (the trainer's recomputed ones elsewhere). With
+    TIS the ratio uses the trainer's recomputed log-probs and min(pi_trainer / pi_sampler, cap)
+    reweights each token. Positions outside `mask` (None: every position is trained) get finite
+    values so nothing NaN reaches the graph. Works on (B, T) and on (N,) trained tokens alike.
     """
-    m = mask.bool()
+    m = torch.ones_like(trainer_old, dtype=torch.bool) if mask is None else mask.bool()
     if sampled is None:
         return torch.where(m, trainer_old, 0.0), None
     known = m & ~torch.isnan(sampled)

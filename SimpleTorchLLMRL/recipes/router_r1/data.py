@@ -17,6 +17,7 @@ from typing import Any
 from SimpleTorchLLMRL.chat.message import Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
 from SimpleTorchLLMRL.recipes.router_r1.config import RouterDataConfig
+from SimpleTorchLLMRL.utils.jsonl import read_jsonl
 
 
 @dataclass
@@ -32,19 +33,13 @@ def load_rows(paths: Sequence[str]) -> list[dict]:
         path = Path(p)
         if not path.is_file():
             raise FileNotFoundError(f"data file {p} does not exist")
-        text = path.read_text(encoding="utf-8")
         if path.suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(path.read_text(encoding="utf-8"))
             if not isinstance(data, list):
                 raise ValueError(f"{p}: a .json data file must hold a list of objects")
             rows += data
         else:
-            for n, line in enumerate(text.splitlines(), 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{p}:{n}: not a JSON object: {e}") from None
+            rows += read_jsonl(path, torn_tail="error")
     return rows
 
 
