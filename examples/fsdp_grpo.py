@@ -13,6 +13,13 @@ Without --model the policy is a random tiny Qwen2 (`SimpleTorchLLMRL.testing.tin
 the mechanics (sharded generation, the global normalizer, gathering weights), not
 learning. The loop is the plain one from the README; the distributed parts are
 `init_distributed`, `wrap_fsdp2`, `data_parallel_normalizer` and `full_state_dict`.
+
+Each rank prints torch's warning "FSDP2-wrapped module (FSDPQwen2ForCausalLM) returned a view
+tensor ... wrong gradients" once. It is about `hidden_states[0]`, the embedding output, which
+FSDP2 hands back as a view of the all-gathered embedding; the loss reads only the final hidden
+state (`hidden_states[-1]`, not a view) and nothing here modifies any output in place, so the
+hazard it warns of (an in-place op dropping the pre-backward hook) cannot happen. Gradients are
+checked against an unsharded run in tests/test_fsdp.py.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ Several epochs / micro-batches over the same rollouts:
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, fields
 
 import torch
@@ -50,6 +49,7 @@ from SimpleTorchLLMRL.trainer.rollout_batch import (
     staleness_metrics,
     trained_mask,
 )
+from SimpleTorchLLMRL.utils.warn import warn_user
 
 __all__ = ["GRPO", "GRPOConfig", "TrainBatch"]
 
@@ -67,7 +67,8 @@ class GRPOConfig:
     group_size: consecutive blocks of G; None: metadata["group_id"], else identical prompts.
     scale_rewards: True/"group", "batch", False/"none" (Dr. GRPO uses False).
     advantage_estimator: "group" (GRPO), "rloo" or "reinforce++".
-    temperature: used when the rollouts record none (the recorded one wins, with a warning).
+    temperature: None (default) follows the temperature the rollouts were sampled at (1.0 when none is
+    recorded); a number is used when the rollouts record none (the recorded one wins, with a warning).
     tis_cap: truncated importance sampling cap (e.g. 2.0) against the sampled log-probs; None: off.
     max_tokens: Dr. GRPO's per-sequence constant (default: the batch's longest trained span).
     dual_clip: c > 1 caps the loss of negative advantages at -c A (None: off).
@@ -82,7 +83,7 @@ class GRPOConfig:
     importance_sampling_level: str = "token"
     group_size: int | None = None
     scale_rewards: bool | str = True
-    temperature: float = 1.0
+    temperature: float | None = None
     advantage_estimator: str = "group"
     kl_estimator: str = "k3"
     tis_cap: float | None = None
@@ -109,7 +110,7 @@ class GRPOConfig:
         if self.scale_rewards not in (True, False, "group", "batch", "none"):
             bad("scale_rewards", "True, False, 'group', 'batch' or 'none'")
         for name, ok, allowed in [
-            ("beta", self.beta >= 0, ">= 0"), ("temperature", self.temperature > 0, "> 0"),
+            ("beta", self.beta >= 0, ">= 0"), ("temperature", self.temperature is None or self.temperature > 0, "None or > 0"),
             ("group_size", self.group_size is None or self.group_size >= 1, "None or an int >= 1"),
             ("tis_cap", self.tis_cap is None or self.tis_cap > 0, "None or > 0"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "None or an int >= 1"),
@@ -151,7 +152,7 @@ class GRPO(RolloutTrainer):
 
     def __init__(self, model, tokenizer, eps: float = 0.2, eps_high: float | None = None, beta: float = 0.0,
                  ref_model=None, loss_type: str = "grpo", importance_sampling_level: str = "token",
-                 group_size: int | None = None, scale_rewards: bool | str = True, temperature: float = 1.0,
+                 group_size: int | None = None, scale_rewards: bool | str = True, temperature: float | None = None,
                  **options):
         allowed = {f.name for f in fields(GRPOConfig)}
         unknown = sorted(set(options) - allowed)
@@ -180,9 +181,8 @@ class GRPO(RolloutTrainer):
         """(B,) advantages of the configured estimator; singletons are pooled into one group (one warning)."""
         lonely = int((A.group_sizes(group) == 1).sum())
         if lonely:
-            warnings.warn(f"GRPO: {lonely} of {len(group)} rollouts are alone in their group (no group_size, "
-                          "group_id or shared prompt); they use the batch-wide reward baseline", UserWarning,
-                          stacklevel=3)
+            warn_user(f"GRPO: {lonely} of {len(group)} rollouts are alone in their group (no group_size, "
+                      "group_id or shared prompt); they use the batch-wide reward baseline")
             single = A.group_sizes(group) == 1  # pool the singletons into one group (the whole batch if all)
             group = A.groups_from_keys([-1 if s else int(g) for g, s in zip(group.tolist(), single.tolist(), strict=True)])
         est = self.config.advantage_estimator

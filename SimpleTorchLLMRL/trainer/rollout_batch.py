@@ -7,16 +7,16 @@ that keep the full batch's normalizer.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from SimpleTorchLLMRL.chat.message import Rollout, sampled_versions
 from SimpleTorchLLMRL.chat.tokenize import Batch, rollouts_to_batch
-from SimpleTorchLLMRL.model.logprobs import token_logprobs
+from SimpleTorchLLMRL.model.logprobs import check_vocabulary, token_logprobs
 from SimpleTorchLLMRL.model.lora import is_peft_model
 from SimpleTorchLLMRL.trainer.losses import truncated_is_weight
+from SimpleTorchLLMRL.utils.warn import warn_user
 
 
 def check_rewards(rewards, num_rollouts: int) -> torch.Tensor:
@@ -132,6 +132,11 @@ class RolloutTrainer:
     name = "trainer"
 
     def __init__(self, model, tokenizer, config, ref_model=None):
+        if ref_model is not None and ref_model is model:
+            raise ValueError(f"{self.name}: ref_model is the policy itself, so the KL to it is always 0. Pass a frozen "
+                             "copy (copy.deepcopy(model).eval()) or, for a peft model, no ref_model (the adapter is "
+                             "disabled for the reference)")
+        check_vocabulary(model, tokenizer)
         self.model, self.tokenizer, self.config, self.ref_model = model, tokenizer, config, ref_model
         if config.beta > 0 and ref_model is None and not is_peft_model(model):
             raise ValueError(f"{self.name}: beta={config.beta} > 0 needs a reference: pass ref_model= "
@@ -163,16 +168,19 @@ class RolloutTrainer:
         return batch.to(model_device(self.model))
 
     def resolve_temperature(self, batch: Batch) -> float:
-        """The sampling temperature recorded with the log-probs wins; a different configured one is reported."""
+        """The sampling temperature recorded with the log-probs wins (none recorded: the configured one, else 1).
+
+        temperature=None (the default) takes the recorded one silently; a configured one that
+        differs from the recorded one is reported, and the recorded one is used.
+        """
         t, s = self.config.temperature, batch.sampling_temperature
         if s is None:
-            return t
-        if abs(s - t) > 1e-6:
-            warnings.warn(
+            return 1.0 if t is None else t
+        if t is not None and abs(s - t) > 1e-6:
+            warn_user(
                 f"{self.name}: the rollouts were sampled at temperature={s} but the trainer is configured with "
                 f"temperature={t}. Log-probs are recomputed at the sampling temperature {s} so the importance "
-                f"ratio compares like with like; pass temperature={s} to the trainer to silence this.",
-                UserWarning, stacklevel=3)
+                f"ratio compares like with like; pass temperature={s} (or None: follow the rollouts) to silence this.")
         return float(s)
 
     def logprobs(self, model, batch: Batch, mask: torch.Tensor, temperature: float, entropy: bool = False):

@@ -22,7 +22,6 @@ import json
 import os
 import random
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from SimpleTorchLLMRL.model.lora import is_peft_model
+from SimpleTorchLLMRL.utils.warn import warn_user
 
 PREFIX = "step-"
 MANIFEST = "MANIFEST.json"
@@ -198,7 +198,7 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
         problem = verify_checkpoint(candidate)
         if problem is None:
             return candidate
-        warnings.warn(f"skipping checkpoint {candidate}: {problem}", stacklevel=2)
+        warn_user(f"skipping checkpoint {candidate}: {problem}")
     return None
 
 

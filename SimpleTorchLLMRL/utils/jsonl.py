@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from SimpleTorchLLMRL.utils.warn import warn_user
 
 TORN_TAIL = ("warn", "skip", "error")
 
@@ -36,8 +37,7 @@ def jsonl_records(text: str, source: str, *, torn_tail: str = "warn") -> Iterato
         except json.JSONDecodeError as e:
             if n == len(lines) and not ends_clean and torn_tail != "error":
                 if torn_tail == "warn":
-                    warnings.warn(f"{source}: the last line is torn (a writer was stopped mid-line); skipped it",
-                                  UserWarning, stacklevel=3)
+                    warn_user(f"{source}: the last line is torn (a writer was stopped mid-line); skipped it")
                 return
             raise ValueError(f"{source}: line {n} is not JSON ({e.msg})") from e
         yield n, record

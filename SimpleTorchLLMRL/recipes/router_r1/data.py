@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from SimpleTorchLLMRL.chat.message import Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
 from SimpleTorchLLMRL.recipes.router_r1.config import RouterDataConfig
 from SimpleTorchLLMRL.utils.jsonl import read_jsonl
+from SimpleTorchLLMRL.utils.warn import warn_user
 
 
 @dataclass
@@ -60,8 +60,8 @@ def prepare_rows(rows: Sequence[dict], data: RouterDataConfig, num: int | None, 
         kept = [r for r in out if len(encode_prompt(Rollout(env.setup(r.question)[0]), tokenizer))
                 <= data.max_start_length]
         if len(kept) < len(out):
-            warnings.warn(f"{split}: dropped {len(out) - len(kept)} of {len(out)} rows whose prompt is over "
-                          f"data.max_start_length={data.max_start_length} tokens", UserWarning, stacklevel=2)
+            warn_user(f"{split}: dropped {len(out) - len(kept)} of {len(out)} rows whose prompt is over "
+                      f"data.max_start_length={data.max_start_length} tokens")
         out = kept
     return out
 
