@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import json
 import math
 import sys
@@ -128,6 +129,8 @@ def test_save_pretrained_atomic_replaces_whole_or_not_at_all(tmp_path):
 
 class FakeWandb:
     """Stands in for the wandb module: records init calls, never touches the network."""
+
+    __spec__ = importlib.machinery.ModuleSpec("wandb", None)  # importlib.util.find_spec("wandb") asks for it
 
     def __init__(self):
         self.inits: list[dict] = []
