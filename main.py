@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from SimpleTorchLLMRL.env.async_rollouts import AsyncProducer, RolloutQueue
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
 from SimpleTorchLLMRL.env.ToolQASolve import ToolUseEnv
+from SimpleTorchLLMRL.model.dropout import disable_dropout
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 from SimpleTorchLLMRL.recipes.calculator.cli import UsageError, check_args, fail, load_policy, parse_args
 from SimpleTorchLLMRL.recipes.calculator.data import DatasetError, batch_at, load_data
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         train_rows, held_out = load_data(args.dataset, args.eval_size, args.seed)
         model, tokenizer = load_policy(args)
+        disable_dropout(model)  # on-policy ratios exactly 1 (a model with dropout trains a random sub-network)
     except (UsageError, DatasetError) as e:
         return fail(e)
     torch.set_num_threads(args.threads)
