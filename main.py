@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from SimpleTorchLLMRL.env.async_rollouts import AsyncProducer, RolloutQueue
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
 from SimpleTorchLLMRL.env.ToolQASolve import ToolUseEnv
+from SimpleTorchLLMRL.model.dropout import disable_dropout
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 from SimpleTorchLLMRL.recipes.calculator.cli import UsageError, check_args, fail, load_policy, parse_args
 from SimpleTorchLLMRL.recipes.calculator.data import DatasetError, batch_at, load_data
@@ -39,19 +40,22 @@ from SimpleTorchLLMRL.recipes.calculator.train_loop import (
     EVAL_STREAM,
     BackgroundEval,
     Sampler,
-    save_final_model,
-    seed_everything,
     step_seed,
     trim_metrics,
-    warmup_constant,
     write_atomic,
 )
 from SimpleTorchLLMRL.reward.boxed import BoxedReward
 from SimpleTorchLLMRL.tools.calculator import calculator
 from SimpleTorchLLMRL.trainer.drift import logprob_drift
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
-from SimpleTorchLLMRL.utils.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from SimpleTorchLLMRL.utils.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    save_pretrained_atomic,
+)
 from SimpleTorchLLMRL.utils.metrics import MetricsLogger, read_metrics
+from SimpleTorchLLMRL.utils.training import NonFiniteError, clipped_step, seed_everything, warmup_constant
 
 # Flags a resumed run must share with the run it continues (--steps may grow).
 RESUME_MUST_MATCH = ("model", "dataset", "lora", "qlora", "batch_size", "group_size", "lr", "seed", "temperature",
@@ -65,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         train_rows, held_out = load_data(args.dataset, args.eval_size, args.seed)
         model, tokenizer = load_policy(args)
+        disable_dropout(model)  # on-policy ratios exactly 1 (a model with dropout trains a random sub-network)
     except (UsageError, DatasetError) as e:
         return fail(e)
     torch.set_num_threads(args.threads)
@@ -157,10 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         for micro in prepared.split(args.micro_batch_size):  # each micro-batch keeps the full normalizer
             grpo.calculate_loss(micro).backward()
             drift_parts.append((micro.batch, grpo.token_logprobs))
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
+        try:
+            grad_norm = clipped_step(optimizer, max_grad_norm=1.0)  # refuses NaN/inf before anything is saved
+        except NonFiniteError as e:
+            logger.close()
+            return fail(UsageError(f"step {step}: {e}; the last checkpoint in {out / 'checkpoints'} is intact"),
+                        code=3)
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
         sampler.sync(model)  # vLLM: push the new weights; HF: nothing to do
         if producer is not None:
             producer.publish(model.state_dict(), version=step)  # the producer samples with them next
@@ -198,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if eval_rollouts is None:  # resumed a finished run: greedy rollouts for samples.txt, not logged
         eval_rollouts = run_eval(args.steps, log=False)[1]
     logger.close()
-    kind = save_final_model(model, tokenizer, out / "final")
+    kind = save_pretrained_atomic(model, tokenizer, out / "final")
     rows = read_metrics(out / "metrics.jsonl")
     plot_curves(rows, out / "curves.png", k=args.pass_k, title=f"GRPO on {args.dataset or 'synthetic arithmetic'}")
     shown = eval_rollouts[:8]

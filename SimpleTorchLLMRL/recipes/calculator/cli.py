@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 from pathlib import Path
@@ -89,8 +90,8 @@ def check_args(args: argparse.Namespace) -> None:
                              "already generates apart from training (see SimpleTorchLLMRL.env.async_rollouts)")
     if args.group_size < 2:
         raise UsageError(f"--group-size must be >= 2 (GRPO compares rollouts within a group), got {args.group_size}")
-    if not args.lr > 0:
-        raise UsageError(f"--lr must be > 0, got {args.lr}")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise UsageError(f"--lr must be a finite number > 0, got {args.lr}")
     if not args.temperature > 0:
         raise UsageError(f"--temperature must be > 0, got {args.temperature}")
     if not args.lora_alpha > 0:
@@ -169,7 +170,7 @@ def load_policy(args: argparse.Namespace):
     return model, tokenizer
 
 
-def fail(error: BaseException, prog: str = "main.py") -> int:
-    """Print `prog: error: message` as one line on stderr; return the exit status 2."""
+def fail(error: BaseException, prog: str = "main.py", code: int = 2) -> int:
+    """Print `prog: error: message` as one line on stderr; return the exit status (2: bad input)."""
     print(f"{prog}: error: {_first_line(error)}", file=sys.stderr, flush=True)
-    return 2
+    return code

@@ -15,6 +15,8 @@ import json
 import random
 from pathlib import Path
 
+from SimpleTorchLLMRL.utils.jsonl import jsonl_records
+
 REQUIRED_FIELDS = ("question", "answer")
 SYNTHETIC_TRAIN_SIZE = 20000
 
@@ -59,15 +61,10 @@ def _parse_json(text: str, spec: str, as_lines: bool) -> list[dict]:
         if not isinstance(data, list):
             raise DatasetError(f"--dataset {spec}: expected a list of objects")
         return data
-    rows = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise DatasetError(f"--dataset {spec}: line {i} is not valid JSON ({e.msg})") from e
-    return rows
+    try:
+        return [row for _, row in jsonl_records(text, f"--dataset {spec}", torn_tail="error")]
+    except ValueError as e:
+        raise DatasetError(str(e)) from e
 
 
 def _read_parquet(path: Path) -> list[dict]:

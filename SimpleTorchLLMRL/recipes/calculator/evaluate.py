@@ -17,6 +17,7 @@ import torch
 from SimpleTorchLLMRL.chat.message import MessageType, Rollout
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
 from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.recipes.calculator.arithmetic import used_tool
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -26,10 +27,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def used_tool(rollout: Rollout) -> bool:
-    return any(m.type is MessageType.TOOL for m in rollout)
 
 
 def episode_stats(rollouts: Sequence[Rollout], rewards: torch.Tensor) -> dict[str, float]:

@@ -1,4 +1,7 @@
-"""Small helpers `main.py` uses around its loop: seeds, generators, the LR schedule, files.
+"""Small helpers `main.py` uses around its loop: step seeds, the sampler, the metrics log, files.
+
+The steps every loop shares (seeding, the LR schedule, the checked optimizer step, checkpoints)
+are the library's: `SimpleTorchLLMRL.utils.training` and `SimpleTorchLLMRL.utils.checkpoint`.
 
 Nothing here runs the loop; `main.py` does, top to bottom.
 """
@@ -8,33 +11,19 @@ from __future__ import annotations
 import copy
 import json
 import os
-import random
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.utils.jsonl import read_jsonl
 
 ROLLOUT_STREAM, EVAL_STREAM = 0, 1
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def step_seed(seed: int, step: int, stream: int = ROLLOUT_STREAM) -> int:
     """The sampling seed of one step: a function of (seed, step) only, so a resumed run resamples the same."""
     return (seed * 1_000_003 + step * 2 + stream) % 2**62
-
-
-def warmup_constant(warmup_steps: int):
-    """LambdaLR factor: linear warm-up over `warmup_steps`, then constant."""
-    return lambda s: min(1.0, (s + 1) / (warmup_steps + 1)) if warmup_steps else 1.0
 
 
 class Sampler:
@@ -82,25 +71,10 @@ def trim_metrics(path: Path, last_step: int) -> None:
     """Drop rows after `last_step` from a metrics.jsonl (a resumed run rewrites them), atomically."""
     if not path.exists():
         return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the torn last line of a killed run
-        if row.get("step", 0) <= last_step:
-            kept.append(line)
+    kept = [json.dumps(row) for row in read_jsonl(path, torn_tail="skip") if row.get("step", 0) <= last_step]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(s + "\n" for s in kept), encoding="utf-8")
     os.replace(tmp, path)
-
-
-def save_final_model(model, tokenizer, path: Path) -> str:
-    """`save_pretrained` of the adapter (peft) or the full model, plus the tokenizer; returns which."""
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return "adapter" if hasattr(model, "peft_config") else "full"
 
 
 def write_atomic(path: Path, text: str) -> None:
