@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from SimpleTorchLLMRL.env.async_rollouts import AsyncProducer, RolloutQueue
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
 from SimpleTorchLLMRL.env.ToolQASolve import ToolUseEnv
+from SimpleTorchLLMRL.model.dropout import disable_dropout
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 from SimpleTorchLLMRL.recipes.calculator.cli import UsageError, check_args, fail, load_policy, parse_args
 from SimpleTorchLLMRL.recipes.calculator.data import DatasetError, batch_at, check_context, load_data
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         train_rows, held_out = load_data(args.dataset, args.eval_size, args.seed)
         model, tokenizer = load_policy(args)
+        disable_dropout(model)  # on-policy ratios exactly 1 (a model with dropout trains a random sub-network)
         env = ToolUseEnv([calculator], custom_sys_prompt=SYSTEM_PROMPT, max_turns=args.max_turns)
         check_context(train_rows + held_out, env, tokenizer, model, args.max_new_tokens, args.dataset)
         out = Path(args.output_dir)

@@ -45,6 +45,7 @@ from SimpleTorchLLMRL.distributed.launch import (
 )
 from SimpleTorchLLMRL.env.QASolve import QASolverEnv
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
+from SimpleTorchLLMRL.model.dropout import disable_dropout
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.model.lora import apply_lora
 from SimpleTorchLLMRL.model.weight_sync import export_adapter
@@ -100,6 +101,7 @@ def main(argv=None) -> None:
     allocate_gather_buffers(model)  # before sampling under torch.inference_mode (see its docstring)
     generator = ModelGenerate(model, tokenizer, max_new_tokens=args.max_new_tokens, temperature=1.0,
                               seed=args.seed + info.rank)  # different samples on every rank
+    disable_dropout(model)  # exact on-policy ratios
     grpo = GRPO(model, tokenizer, group_size=args.group_size)
     # correctness, plus a small length penalty so that even a random policy sees different rewards
     env = QASolverEnv()

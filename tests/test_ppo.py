@@ -120,6 +120,8 @@ def test_bad_inputs(qwen2_model, chatml_tokenizer):
         ppo.calculate_loss(make_rollouts(1, 2), [1.0, float("nan")])
     for kwargs, name in [({"gamma": 2.0}, "gamma"), ({"lam": -1}, "lam"), ({"vf_coef": -1}, "vf_coef"),
                          ({"cliprange_value": 0}, "cliprange_value"), ({"beta": 0.1}, "reference"),
-                         ({"eps": 1.0}, "eps"), ({"foo": 1}, "unknown options")]:
+                         ({"eps": 1.0}, "eps")]:
         with pytest.raises(ValueError, match=name):
             PPO(qwen2_model, chatml_tokenizer, **kwargs)
+    with pytest.raises(TypeError, match="foo"):  # options are keyword arguments of the signature
+        PPO(qwen2_model, chatml_tokenizer, foo=1)

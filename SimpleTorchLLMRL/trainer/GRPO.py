@@ -70,7 +70,11 @@ class GRPOConfig:
     temperature: None (default) follows the temperature the rollouts were sampled at (1.0 when none is
     recorded); a number is used when the rollouts record none (the recorded one wins, with a warning).
     tis_cap: truncated importance sampling cap (e.g. 2.0) against the sampled log-probs; None: off.
-    max_tokens: Dr. GRPO's per-sequence constant (default: the batch's longest trained span).
+    max_tokens: Dr. GRPO's per-sequence constant, required for loss_type="dr_grpo": the generation budget
+    (the generator's max_new_tokens; times the model turns for multi-turn episodes), as in the paper and
+    TRL's max_completion_length. A batch-dependent constant would rescale the loss from batch to batch.
+    kl_bias_correction: multiply the per-token KL by the importance ratio pi/pi_old (DeepSeek-V3.2; TRL's
+    use_bias_correction_kl), which makes the k3 estimate unbiased for off-policy tokens.
     dual_clip: c > 1 caps the loss of negative advantages at -c A (None: off).
     fused: compute token-level losses with `fused_token_loss` when the head allows (same values and
     gradients, one matmul fewer); False always uses chunked log-probs + autograd.
@@ -89,6 +93,7 @@ class GRPOConfig:
     tis_cap: float | None = None
     max_tokens: int | None = None
     dual_clip: float | None = None
+    kl_bias_correction: bool = False
     reward_eps: float = 1e-4
     chunk_size: int = DEFAULT_CHUNK_SIZE
     max_length: int | None = None
@@ -118,6 +123,10 @@ class GRPOConfig:
         ]:
             if not ok:
                 bad(name, allowed)
+        if self.loss_type == "dr_grpo" and self.max_tokens is None:
+            raise ValueError("GRPO loss_type='dr_grpo' needs max_tokens=: its fixed per-sequence constant, the "
+                             "generation budget (your generator's max_new_tokens, times the model turns for "
+                             "multi-turn episodes)")
         spec = LOSS_TYPES[self.loss_type]
         if self.eps_high is None:
             self.eps_high = spec.default_eps_high if spec.default_eps_high is not None else self.eps
@@ -244,6 +253,7 @@ class GRPO(RolloutTrainer):
         for grpo/gspo, trained tokens for dapo/bnpo/cispo, sequences x max_tokens for
         dr_grpo; `normalizer_for(rollouts)` computes it."""
         cfg, mask, batch = self.config, tb.mask, tb.batch
+        self.check_dropout()
         norm = normalizer if normalizer is not None else tb.normalizer
         hidden = final_hidden_states(self.model, batch.input_ids, batch.attention_mask)  # (B, T, H)
         select = mask[:, 1:].bool()  # (B, T-1): token t+1 is trained, predicted from position t
@@ -298,7 +308,8 @@ class GRPO(RolloutTrainer):
             loss = loss * tis
         if cfg.beta > 0:
             stats["kl"] = KL_ESTIMATORS[cfg.kl_estimator](lp, x.ref[sl])
-            loss = loss + cfg.beta * stats["kl"]
+            kl = stats["kl"] * torch.exp(log_ratio) if cfg.kl_bias_correction else stats["kl"]
+            loss = loss + cfg.beta * kl
         return loss * x.weight[sl], stats
 
     @torch.no_grad()

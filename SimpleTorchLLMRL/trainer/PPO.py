@@ -172,6 +172,7 @@ class PPO(RolloutTrainer):
     def loss(self, tb: TrainBatch, normalizer: float | None = None) -> torch.Tensor:
         """policy loss + vf_coef * value loss (token-mean); normalizer: the FULL batch's trained tokens."""
         cfg, mask = self.config, tb.mask
+        self.check_dropout()
         logp, ent, values = self._forward(tb.batch, mask, tb.temperature)
         trainer_old = tb.old_logprobs if tb.old_logprobs is not None else logp.detach()
         old, tis = old_and_tis(trainer_old, tb.batch.old_logprobs, mask, cfg.tis_cap)

@@ -13,6 +13,7 @@ import torch
 
 from SimpleTorchLLMRL.chat.message import Rollout, sampled_versions
 from SimpleTorchLLMRL.chat.tokenize import Batch, rollouts_to_batch
+from SimpleTorchLLMRL.model.dropout import active_dropout
 from SimpleTorchLLMRL.model.logprobs import check_vocabulary, token_logprobs
 from SimpleTorchLLMRL.model.lora import is_peft_model
 from SimpleTorchLLMRL.trainer.losses import truncated_is_weight
@@ -142,6 +143,7 @@ class RolloutTrainer:
             raise ValueError(f"{self.name}: beta={config.beta} > 0 needs a reference: pass ref_model= "
                              "(e.g. copy.deepcopy(model).eval()) or use a peft model (its adapter is disabled)")
         self.metrics: dict[str, float] = {}
+        self._dropout_checked = False
         self.policy_version: int | None = None  # the trainer's current version: staleness metrics when set
         self.token_logprobs: torch.Tensor | None = None  # (B, T) of the last loss call, NaN where not trained
 
@@ -160,6 +162,17 @@ class RolloutTrainer:
                 raise ValueError("calculate_loss(rollouts, rewards) needs one reward per rollout")
             tb = self.prepare(rollouts, rewards, compute_old=False)
         return self.loss(tb, normalizer)
+
+    def check_dropout(self) -> None:
+        """Warn once per model when it trains with dropout on (ratios are then not exactly 1 on-policy)."""
+        if not self.model.training or self._dropout_checked:
+            return
+        self._dropout_checked = True
+        active = active_dropout(self.model)
+        if active:
+            warn_user(f"{self.name}: the model trains with dropout on ({len(active)} modules, e.g. {active[0]}): "
+                      "log-probs then come from a random sub-network, on-policy ratios are not 1 and clipping "
+                      "bites where it should not. Call SimpleTorchLLMRL.model.dropout.disable_dropout(model) first.")
 
     def encode(self, rollouts: list[Rollout]) -> Batch:
         if not rollouts:
