@@ -461,6 +461,7 @@ def test_help_documents_restart_and_the_pass_k_bound():
 
     text = " ".join(build_parser().format_help().split())
     assert "--restart" in text and "start over from step 0" in text and "at most 64" in text
+    assert "143 / 130 stopped by SIGTERM / SIGINT" in text
 
 
 def test_a_second_signal_stops_at_once():

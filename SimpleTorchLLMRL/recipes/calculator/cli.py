@@ -32,7 +32,10 @@ class UsageError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="main.py",
-        description="GRPO with a calculator tool: rollouts -> rewards -> GRPO loss -> optimizer step.")
+        description="GRPO with a calculator tool: rollouts -> rewards -> GRPO loss -> optimizer step.",
+        epilog="exit status: 0 done; 2 bad input (one line, nothing written); 3 a non-finite update (nothing "
+               "saved); 143 / 130 stopped by SIGTERM / SIGINT after the step in progress and a checkpoint "
+               "(continue with --resume; a second signal stops at once)")
     p.add_argument("--model", default=str(DEFAULT_MODEL),
                    help="HF model id or local path (default: the embedded tiny model)")
     p.add_argument("--dataset", default=None,
