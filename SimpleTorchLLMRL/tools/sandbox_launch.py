@@ -20,6 +20,7 @@ Lines on the control pipe: "pid N", "exit STATUS", "unsupported WHY" (namespaces
 set up here), "error WHY".
 """
 
+import fcntl
 import os
 import resource
 import sys
@@ -110,10 +111,10 @@ def _confine_and_exec(cfg, control):
                                      allow_network=_one(cfg, "network") == "1", abi=abi)
         secret, report = _one(cfg, "secret_fd"), _one(cfg, "report_fd")
         if secret is not None:  # the program's private pipes become fds 3 and 4
-            moved = [os.dup(int(secret)), os.dup(int(report))]
+            moved = [fcntl.fcntl(int(fd), fcntl.F_DUPFD, 10) for fd in (secret, report)]  # clear of 3 and 4
             os.dup2(moved[0], 3)
             os.dup2(moved[1], 4)
-            _close_quietly(*moved, int(secret), int(report))
+            _close_quietly(*moved, *({int(secret), int(report)} - {3, 4}))
         os.chdir(workdir)
     except (OSError, ValueError, AttributeError) as e:
         _report(control, f"error could not confine the program: {e}")
