@@ -17,5 +17,5 @@ exec unshare --mount --propagation private bash -c '
   fi
   home=$(mktemp -d); chown 65534:65534 "$home"
   exec setpriv --reuid=65534 --regid=65534 --clear-groups env -i PATH=/usr/bin:/bin HOME="$home" \
-    PYTHONDONTWRITEBYTECODE=1 .venv/bin/python -m pytest -p no:cacheprovider -q "$@"
+    PYTHONDONTWRITEBYTECODE=1 STLR_SANDBOX_ISOLATION="${STLR_SANDBOX_ISOLATION:-auto}" .venv/bin/python -m pytest -p no:cacheprovider -q "$@"
 ' stlr-unprivileged "$PREFIX" "$@"

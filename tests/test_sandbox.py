@@ -175,7 +175,7 @@ def test_bad_code_arguments_and_config():
     assert "NUL" in PythonSandbox().run("print(1)\x00").error
     with pytest.raises(TypeError):
         PythonSandbox().run(b"print(1)")
-    for bad in ({"timeout": 0}, {"memory_mb": 0}, {"cpu_seconds": 0}, {"run_as": "root"}):
+    for bad in ({"timeout": 0}, {"memory_mb": 0}, {"cpu_seconds": 0}, {"run_as": "root"}, {"isolation": "vm"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             PythonSandbox(**bad)
 
@@ -201,3 +201,21 @@ def test_concurrent_runs_do_not_interfere(box):
 def test_result_text_for_signals():
     assert SandboxResult("", "", -9).to_text() == "[terminated by signal SIGKILL (killed)]"
     assert SandboxResult("out\n", "", 0).to_text() == "out"
+
+
+@pytest.mark.filterwarnings("ignore:PythonSandbox")  # process isolation may fall back to a system python3
+@pytest.mark.parametrize("isolation", ["namespaces", "process"])
+def test_both_isolations_run_code_and_pass_a_secret(isolation):
+    box = PythonSandbox(timeout=5, isolation=isolation)
+    code = "import os\nprint(os.listdir('.'))\nos.write(4, os.read(3, 64)[::-1])\nos.close(3)"
+    r = box.run(code, secret=b"nonce-123")
+    assert r.ok and r.stdout == "[]\n" and r.report == b"321-ecnon", r.to_text()
+    assert box.run("import os\nos.read(3, 1)").exit_code == 1  # without a secret there is no fd 3
+    with pytest.raises(ValueError, match="secret"):
+        box.run("pass", secret="text")
+
+
+def test_a_broken_interpreter_is_an_error_result_not_an_exception():
+    r = PythonSandbox(timeout=5, python="/nonexistent/python3", run_as=None).run("print(1)")
+    assert r.error is not None and "/nonexistent/python3" in r.error and not r.ok
+    assert "[sandbox error:" in r.to_text()

@@ -5,6 +5,8 @@ only to loopback listeners started here, every run under an outer timeout
 (`bounded`), and every process an attack starts is found by its name marker and
 killed by PID afterwards (`reaper`). Runs as root and, through
 `test_attacks_hold_for_an_unprivileged_caller`, as an unprivileged user.
+STLR_SANDBOX_ISOLATION=process runs the suite against the fallback (docs/sandbox.md
+lists what it does not contain).
 """
 
 import os
@@ -28,8 +30,13 @@ from SimpleTorchLLMRL.tools.sandbox import PythonSandbox
 from tests.sandbox_attack_helpers import SYS_EXIT, bounded, kill_survivors, name_code, new_marker, survivors
 
 ROOT = os.geteuid() == 0
+ISOLATION = os.environ.get("STLR_SANDBOX_ISOLATION", "auto")
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(SYS_EXIT is None, reason="attacks use x86_64/aarch64 syscall numbers")
+
+
+def Box(**limits) -> PythonSandbox:
+    return PythonSandbox(isolation=ISOLATION, **limits)
 
 
 @pytest.fixture
@@ -64,7 +71,7 @@ def test_1_thread_surviving_main_thread_exit_after_setsid(reaper):
         "time.sleep(0.5)\n"
         "print('main done')\n"
     )
-    r, _ = run_bounded(PythonSandbox(timeout=5), code)
+    r, _ = run_bounded(Box(timeout=5), code)
     assert r.stdout == "main done\n"
     assert_nothing_survives(reaper)
 
@@ -86,7 +93,7 @@ def test_2_ptrace_seize_cannot_hold_the_caller_past_its_timeout(reaper):
         "time.sleep(1)\n"
         "print('main done')\n"
     )
-    r, seconds = run_bounded(PythonSandbox(timeout=3), code)
+    r, seconds = run_bounded(Box(timeout=3), code)
     assert seconds < 3 + 3, f"run(timeout=3) returned after {seconds:.1f} s"
     assert_nothing_survives(reaper)
 
@@ -104,7 +111,7 @@ def test_3_pid_hopping_after_setsid(reaper):
         "    os._exit(0)\n"
         "print('main done')\n"
     )
-    r, _ = run_bounded(PythonSandbox(timeout=5), code)
+    r, _ = run_bounded(Box(timeout=5), code)
     assert r.stdout == "main done\n"
     assert_nothing_survives(reaper)
 
@@ -119,7 +126,7 @@ def test_4_fixed_uid_runs_are_swept_too(reaper, run_as):
         "    os._exit(0)\n"
         "print('main done')\n"
     )
-    r, _ = run_bounded(PythonSandbox(timeout=5, run_as=run_as), code)
+    r, _ = run_bounded(Box(timeout=5, run_as=run_as), code)
     assert r.stdout == "main done\n", r.to_text()
     assert_nothing_survives(reaper)
 
@@ -134,7 +141,7 @@ def test_5_deep_directory_nesting_does_not_raise(monkeypatch):
     os.chmod(scratch, 0o755)
     monkeypatch.setattr(tempfile, "tempdir", scratch)  # the sandbox's working directories land here
     try:
-        box = PythonSandbox(timeout=10)
+        box = Box(timeout=10)
         r, _ = bounded(lambda: box.run(DEEP), 30)
         assert r.stdout == "deep\n", r.to_text()
         out, _ = bounded(lambda: CodeTrigger(box).trigger(f"```python\n{DEEP}```\n"), 30)
@@ -176,7 +183,7 @@ def test_6_network_mptcp_fastopen_udp_and_unix_sockets_are_unreachable():
         f"try:\n    {stmt}\n    print('{name} sent')\nexcept OSError as e:\n    print('{name} refused', e.errno)\n"
         for name, stmt in attempts.items())
     try:
-        r, _ = run_bounded(PythonSandbox(timeout=10), code)
+        r, _ = run_bounded(Box(timeout=10), code)
         reached = []
         for name, server in (("tcp", tcp), ("unix", unix), ("udp", udp)):
             server.setblocking(False)
@@ -224,7 +231,7 @@ def test_7_sysv_ipc_is_not_shared_between_runs():
         "    print('msg', m.mtext.decode())\n"
         f"print('sem', libc.semget({key}, 0, 0) >= 0)\n"
     )
-    box = PythonSandbox(timeout=10)
+    box = Box(timeout=10)
     try:
         first, _ = run_bounded(box, write)
         assert first.stdout.startswith("wrote"), first.to_text()
@@ -245,7 +252,7 @@ KEYCTL, ADD_KEY = {"x86_64": (250, 248), "aarch64": (219, 217)}[__import__("os")
 libc.syscall(KEYCTL, 1, None)  # a session keyring of our own, holding the secret
 token = sys.argv[1].encode()
 assert libc.syscall(ADD_KEY, b"user", b"stlr-attack", token, len(token), -3) > 0
-r = PythonSandbox(timeout=10).run(sys.argv[2])
+r = PythonSandbox(timeout=10, isolation=sys.argv[3]).run(sys.argv[2])
 print(json.dumps([r.stdout, r.stderr]))
 """
 
@@ -277,7 +284,7 @@ print("\n".join(found))
 
 def test_8_caller_keyring_and_argv_are_unreadable():
     token = "stlr-token-" + secrets.token_hex(8)
-    r = subprocess.run([sys.executable, "-c", SECRETS_HELPER, token, SNOOP], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", SECRETS_HELPER, token, SNOOP, ISOLATION], capture_output=True, text=True,
                        timeout=60, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     assert token not in r.stdout
@@ -285,7 +292,7 @@ def test_8_caller_keyring_and_argv_are_unreadable():
 
 def test_8_other_runs_code_is_unreadable():
     token = "stlr-token-" + secrets.token_hex(8)
-    box = PythonSandbox(timeout=10)
+    box = Box(timeout=10)
     victim = threading.Thread(target=box.run, args=(f"import time\nTOKEN = '{token}'\ntime.sleep(3)\n",))
     victim.start()
     try:
@@ -311,7 +318,7 @@ def test_8_root_owned_world_readable_files_are_hidden():
             "    try:\n        print('READ', path, open(path).read()[:80])\n"
             "    except OSError as e:\n        print('refused', type(e).__name__)\n")
     try:
-        r, _ = run_bounded(PythonSandbox(timeout=10), code)
+        r, _ = run_bounded(Box(timeout=10), code)
         assert r.ok and "READ" not in r.stdout and token not in r.stdout, r.stdout
     finally:
         subprocess.run(["rm", "-rf", secret_dir], check=False)
@@ -332,7 +339,7 @@ HACKS = {
 
 @pytest.fixture(scope="module")
 def code_env():
-    return CodeEnv(PythonSandbox(timeout=10))
+    return CodeEnv(Box(timeout=10))
 
 
 def _reward(env, solution: str, tests: str = "assert add(2, 3) == 5\nassert add(-1, 1) == 0") -> float:
@@ -386,7 +393,7 @@ print('held', total)
 @pytest.mark.skipif(not ROOT, reason="a memory cgroup needs root here (no delegated cgroup): the documented "
                                      "bound without root is max_processes x memory_mb")
 def test_10_memory_limit_covers_the_whole_process_tree(reaper):
-    r, _ = run_bounded(PythonSandbox(timeout=20, memory_mb=256, max_processes=16), name_code(reaper) + MEMORY_HOG)
+    r, _ = run_bounded(Box(timeout=20, memory_mb=256, max_processes=16), name_code(reaper) + MEMORY_HOG)
     held = int(r.stdout.split()[-1]) if r.stdout.startswith("held") else 0
     assert r.stdout.startswith("held") and held <= 256, r.to_text()
     assert_nothing_survives(reaper)
@@ -395,7 +402,7 @@ def test_10_memory_limit_covers_the_whole_process_tree(reaper):
 # ---- 11: the project's interpreter, or a loud fallback ------------------------------------------------------
 
 def test_11_runs_use_the_callers_interpreter_and_packages():
-    r, _ = run_bounded(PythonSandbox(timeout=10), "import sys\nprint(sys.prefix)")
+    r, _ = run_bounded(Box(timeout=10), "import sys\nprint(sys.prefix)")
     assert r.stdout.strip() == sys.prefix, r.to_text()
 
 
@@ -404,7 +411,7 @@ def test_11_an_unusable_interpreter_is_reported_loudly(tmp_path):
     private = tmp_path / "python3"
     private.write_bytes(Path(os.path.realpath("/usr/bin/python3")).read_bytes())
     private.chmod(0o700)  # root only: the sandbox's uid cannot execute it
-    box = PythonSandbox(timeout=10, python=str(private))
+    box = Box(timeout=10, python=str(private))
     with pytest.warns(RuntimeWarning, match="python3"):
         r, _ = bounded(lambda: box.run("print(1)"), 60)
     assert r.stdout == "1\n"
@@ -419,7 +426,7 @@ def test_12_clean_code_is_linear_in_blank_lines():
 
 
 def test_12_code_trigger_on_a_growing_text_is_linear():
-    trigger = CodeTrigger(PythonSandbox(timeout=5))
+    trigger = CodeTrigger(Box(timeout=5))
     pieces = ["Some reasoning about the problem at hand, step by step.\n" * 2] * 9 + ["```python\nx = 1\n```\nok "]
 
     def grow():

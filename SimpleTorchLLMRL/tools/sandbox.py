@@ -275,8 +275,9 @@ def _usable_interpreter(box: PythonSandbox, wanted: str) -> str:
                 if candidate != wanted:
                     warnings.warn(
                         f"PythonSandbox: the sandbox's unprivileged uid cannot run {wanted} ({why}); using "
-                        f"{candidate} instead, without the packages of {wanted}. Make it readable and "
-                        "executable by all users, or pass python=...", RuntimeWarning, stacklevel=4)
+                        f"{candidate} instead, without the packages of {wanted}. Make it and its directories "
+                        "readable by all users (not under a 0700 directory such as /root), use "
+                        "isolation='namespaces', or pass python=...", RuntimeWarning, stacklevel=4)
                 _probe_cache[key] = candidate
                 return candidate
             why = why or (r.error or r.stderr.strip() or f"exit code {r.exit_code}")[-300:]
