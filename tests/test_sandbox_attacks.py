@@ -251,8 +251,13 @@ libc = ctypes.CDLL(None, use_errno=True)
 KEYCTL, ADD_KEY = {"x86_64": (250, 248), "aarch64": (219, 217)}[__import__("os").uname().machine]
 libc.syscall(KEYCTL, 1, None)  # a session keyring of our own, holding the secret
 token = sys.argv[1].encode()
-assert libc.syscall(ADD_KEY, b"user", b"stlr-attack", token, len(token), -3) > 0
-r = PythonSandbox(timeout=10, isolation=sys.argv[3]).run(sys.argv[2])
+keys = [libc.syscall(ADD_KEY, b"user", b"stlr-attack", token, len(token), ring) for ring in (-3, -4)]  # session, user
+assert min(keys) > 0
+try:
+    r = PythonSandbox(timeout=10, isolation=sys.argv[3]).run(sys.argv[2])
+finally:
+    for key in keys:
+        libc.syscall(KEYCTL, 21, key)  # KEYCTL_INVALIDATE: the user keyring outlives this process
 print(json.dumps([r.stdout, r.stderr]))
 """
 
