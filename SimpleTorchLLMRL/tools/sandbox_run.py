@@ -264,8 +264,8 @@ def finish(launch: Launch, outcome: Outcome) -> None:
         proc.wait(timeout=_REAP_SECONDS)
     except subprocess.TimeoutExpired:  # e.g. held by a tracer: reaped in the background, never waited for here
         threading.Thread(target=proc.wait, name="stlr-sandbox-reaper", daemon=True).start()
-    if spec.isolation == "process" and outcome.exit_code is None and not outcome.timed_out:
-        outcome.exit_code = proc.returncode
+    if spec.isolation == "process" and outcome.exit_code is None:
+        outcome.exit_code = proc.returncode  # -SIGKILL after a timeout; None if still not reaped
     if launch.cgroup is not None:
         launch.cgroup.remove()
     remove_tree(launch.workdir)
