@@ -181,3 +181,25 @@ def test_fuzz_code_block_round_trip(lines, before):
     while kept and not kept[0].strip():  # leading blank lines go, indentation and inner lines stay
         kept.pop(0)
     assert call.text == "\n".join(kept).rstrip()
+
+
+def test_last_closed_block_matches_a_full_parse_on_every_prefix():
+    """The incremental tracker CodeTrigger uses agrees with CodeBlockParser.parse on growing texts."""
+    import random
+
+    from SimpleTorchLLMRL.tools.parsers import LastClosedBlock
+
+    def reference(text):
+        blocks = CodeBlockParser().parse(text)
+        return blocks[-1].text if blocks and blocks[-1].span[1] >= len(text.rstrip()) else None
+
+    pieces = ["```python\n", "```", "```py \n", "```bash\n", "`", "``", "x = 1\n", " ", "\n", "py", "thon", "\t\n"]
+    rng = random.Random(0)
+    for _ in range(300):
+        tracker, text = LastClosedBlock(CodeBlockParser()), ""
+        for _ in range(rng.randrange(1, 25)):
+            piece = rng.choice(pieces)
+            for cut in range(1, len(piece) + 1):  # growing one character at a time too
+                assert tracker.code_at_end(text + piece[:cut]) == reference(text + piece[:cut]), repr(text + piece)
+            text += piece
+        assert tracker.code_at_end("```python\nfresh\n```") == "fresh"  # not an extension: rescanned

@@ -7,12 +7,19 @@
 Each MODEL turn's ```python blocks run in the sandbox (each block in a fresh
 process) and their output comes back as TOOL messages; the episode ends after a
 turn without a code block, or after `max_turns` MODEL turns. `reward` runs the
-last code block the model wrote followed by the row's answer (test code, e.g.
-`assert add(2, 3) == 5`) and returns 1.0 when that exits cleanly, else 0.0.
+last code block the model wrote, then the row's answer (test code, e.g.
+`assert add(2, 3) == 5`) in the same namespace, and returns 1.0 only when the
+tests ran to their end: a harness sends a per-run nonce to the sandbox's private
+channel after the last test. An exit (os._exit, sys.exit, atexit, an excepthook)
+before that scores 0.0, whatever the exit code. Not covered: a solution written
+against the harness itself (reading its frame or its file descriptors), and tests
+that a crafted return value satisfies (an object equal to everything).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 from typing import Any
 
 from SimpleTorchLLMRL.chat.message import MessageType, Rollout
@@ -26,6 +33,19 @@ DEFAULT_CODE_PROMPT = (
     "Each block is run and what it prints comes back to you, so you can test your code. "
     "Your last code block is checked against hidden tests."
 )
+
+# fd 3: the nonce (read once, then closed); fd 4: where it goes once the last test has passed
+_HARNESS = """\
+import os as _os
+def _stlr_check(solution, tests, write=_os.write, close=_os.close, read=_os.read):
+    nonce = read(3, 64)
+    close(3)
+    namespace = {{"__name__": "__main__", "__builtins__": __builtins__}}
+    exec(compile(solution, "<solution>", "exec"), namespace)
+    exec(compile(tests, "<tests>", "exec"), namespace)
+    write(4, nonce)
+_stlr_check({solution!r}, {tests!r})
+"""
 
 
 def last_code_block(rollout: Rollout) -> str | None:
@@ -62,4 +82,16 @@ class CodeEnv(ToolUseEnv):
         code = last_code_block(rollout)
         if code is None:
             return 0.0
-        return 1.0 if self.sandbox.run(code + "\n\n" + str(tests) + "\n").ok else 0.0
+        return 1.0 if self.tests_pass(code, str(tests)) else 0.0
+
+    def tests_pass(self, code: str, tests: str) -> bool:
+        """Did `tests` run to their end after `code`, in one namespace, in the sandbox? Never raises."""
+        if len(code) + len(tests) > self.sandbox.max_code_chars:
+            return False
+        nonce = secrets.token_hex(16).encode()
+        program = _HARNESS.format(solution=code, tests=tests)
+        try:  # the limit applies to the model's code and the tests, not to their quoting in the harness
+            box = dataclasses.replace(self.sandbox, max_code_chars=max(len(program), self.sandbox.max_code_chars))
+            return box.run(program, secret=nonce).report == nonce
+        except Exception:
+            return False

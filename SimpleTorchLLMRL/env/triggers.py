@@ -23,7 +23,7 @@ from typing import Any
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.env.base import Env
-from SimpleTorchLLMRL.tools.parsers import CodeBlockParser
+from SimpleTorchLLMRL.tools.parsers import CodeBlockParser, LastClosedBlock
 from SimpleTorchLLMRL.tools.sandbox import PythonSandbox
 
 
@@ -75,14 +75,14 @@ class CodeTrigger(Trigger):
             raise ValueError(f"CodeTrigger max_calls must be an int >= 1 or None, got {max_calls!r}")
         self.sandbox = sandbox if sandbox is not None else PythonSandbox()
         self.max_calls, self.tag, self.calls = max_calls, tag, 0
-        self._parser = CodeBlockParser()
+        self._blocks = LastClosedBlock(CodeBlockParser())
 
     def pending_code(self, text: str) -> str | None:
-        """The code of the closed python block that ends `text`, if any."""
-        blocks = self._parser.parse(text)
-        if blocks and blocks[-1].span[1] >= len(text.rstrip()):
-            return blocks[-1].text
-        return None
+        """The code of the closed python block that ends `text`, if any.
+
+        Incremental: on a text that extends the previous call's, only the new part is scanned.
+        """
+        return self._blocks.code_at_end(text)
 
     def trigger(self, text: str) -> str | None:
         code = self.pending_code(text)
@@ -95,6 +95,7 @@ class CodeTrigger(Trigger):
         """Same sandbox and settings, call count reset."""
         new = _copy.copy(self)
         new.calls = 0
+        new._blocks = LastClosedBlock(CodeBlockParser())
         return new
 
 

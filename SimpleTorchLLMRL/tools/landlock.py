@@ -3,7 +3,7 @@
 Used by the python sandbox inside its `preexec_fn`, i.e. in the forked child just
 before `exec`. After `restrict_writes(dir)` the process and everything it starts can
 read the file system as before but create, write, truncate, rename or delete only
-under `dir` (and write /dev/null); with ABI >= 4 it cannot bind or connect TCP
+under `dir` (and the `also_writable` directories; and write /dev/null); with ABI >= 4 it cannot bind or connect TCP
 sockets, and with ABI >= 6 it cannot signal processes outside its own domain.
 Unprivileged, irreversible, inherited by children. No-op where Landlock is missing.
 """
@@ -59,7 +59,8 @@ def prepare() -> int:
     return abi_version()
 
 
-def restrict_writes(directory: str, *, allow_network: bool = False, abi: int | None = None) -> bool:
+def restrict_writes(directory: str, *, also_writable: tuple[str, ...] = (), allow_network: bool = False,
+                    abi: int | None = None) -> bool:
     """Confine the calling process as described above; returns False where Landlock is unavailable."""
     abi = abi_version() if abi is None else abi
     if abi < 1:
@@ -80,7 +81,9 @@ def restrict_writes(directory: str, *, allow_network: bool = False, abi: int | N
     if ruleset < 0:
         raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
     try:
-        for path, access in ((directory, write_fs), ("/dev/null", _WRITE_FILE | (_TRUNCATE if abi >= 3 else 0))):
+        rules = [(d, write_fs) for d in (directory, *also_writable)]
+        rules.append(("/dev/null", _WRITE_FILE | (_TRUNCATE if abi >= 3 else 0)))
+        for path, access in rules:
             fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
             try:
                 rule = _PathBeneathAttr(access, fd)

@@ -184,11 +184,61 @@ class CodeBlockParser:
 
 
 def clean_code(code: str) -> str:
-    """Drop leading blank lines and trailing whitespace; keep indentation."""
+    """Drop leading blank lines and trailing whitespace; keep indentation. Linear in len(code)."""
     lines = code.split("\n")
-    while lines and not lines[0].strip():
-        lines.pop(0)
-    return "\n".join(lines).rstrip()
+    first = 0
+    while first < len(lines) and not lines[first].strip():
+        first += 1
+    return "\n".join(lines[first:]).rstrip()
+
+
+_TRAILING_SPACE = re.compile(r"\s*")
+
+
+class LastClosedBlock:
+    """The last closed block `CodeBlockParser.parse` would find, kept up to date as a text grows.
+
+        tracker = LastClosedBlock(CodeBlockParser())
+        tracker.code_at_end(text)   # the block's code when it ends `text` (whitespace aside), else None
+
+    Each call scans only what was appended since the previous call (a text that is not
+    an extension of the previous one is scanned from the start), so calling it at
+    every step of a growing generation costs time linear in the final length. An
+    opener's match ends at the first newline after it, so an opener search that failed
+    is final for every start before the text's last newline.
+    """
+
+    def __init__(self, parser: CodeBlockParser):
+        self._open = parser._open
+        # (text, pos, search_from, pending opener (start, end) or None, close_from, last block (body_start, body_end, end))
+        self._state: tuple = ("", 0, 0, None, 0, None)
+
+    def _advance(self, text: str) -> tuple:
+        prev, pos, search_from, pending, close_from, last = self._state
+        if not text.startswith(prev):
+            pos, search_from, pending, close_from, last = 0, 0, None, 0, None
+        while True:
+            if pending is None:
+                m = self._open.search(text, max(pos, search_from))
+                if m is None:
+                    search_from = max(pos, text.rfind("\n") - 2)
+                    break
+                pending, close_from = (m.start(), m.end()), m.end()
+            j = text.find("```", close_from)
+            if j < 0:
+                close_from = max(pending[1], len(text) - 2)  # a fence may straddle the end
+                break
+            last, pos, pending = (pending[1], j, j + 3), j + 3, None
+            search_from = pos
+        state = (text, pos, search_from, pending, close_from, last)
+        self._state = state  # one assignment: a racing caller sees the old or the new state, both valid
+        return state
+
+    def code_at_end(self, text: str) -> str | None:
+        last = self._advance(text)[5]
+        if last is None or _TRAILING_SPACE.fullmatch(text, last[2]) is None:
+            return None
+        return clean_code(text[last[0]: last[1]])
 
 
 def calls_from_openai(tool_calls: Sequence[Any]) -> list[ToolCall]:

@@ -6,28 +6,26 @@
     result.to_text()                                                    # what the model is shown
     python = python_tool(box)                                           # the same as a Tool
 
-What confines the code (each layer on its own; together they contain the cases the
-tests run: infinite loop, memory bomb, fork bomb, 100 MB print, writes outside the
-working directory, reading the parent's environment):
+How the code is confined (docs/sandbox.md has the table of guarantees and the attacks
+that measure them):
 
-- `sys.executable -I -c code`: isolated mode, no PYTHON* variables, no user site;
-- a scrubbed environment (PATH, LANG, HOME and TMPDIR only) and an empty temporary
-  working directory, deleted afterwards;
-- resource limits set in the child before exec: CPU seconds, address space, file
-  size, process count, open files, no core dumps;
-- when the parent runs as root (RLIMIT_NPROC does not apply to root): a fresh,
-  unprivileged uid/gid per run (or `run_as=` a fixed one), so the process limit
-  holds, root-owned files and other processes' /proc entries are out of reach, and
-  every process left with that uid is killed afterwards;
-- Landlock, where the kernel has it: writes only inside the working directory, no
-  TCP connect/bind (unless `allow_network=True`), no signals to outside processes;
-- a wall-clock timeout that kills the whole process group, and output read with a
-  cap while the child runs (the rest is read and dropped, never buffered).
-
-Limits of this design: without root the sandbox shares the caller's uid, so the
-parent's /proc/<pid>/environ stays readable and a child that calls setsid() can
-outlive the run (until its CPU limit); without Landlock, world-writable
-directories such as /tmp stay writable. Use a container for hostile code at scale.
+- isolation="namespaces" (the default wherever the kernel allows it, as root or through an
+  unprivileged user namespace): each run gets its own PID, mount, IPC, UTS and network
+  namespaces. Its first process is the namespace's init: when the program ends or the
+  timeout strikes, the kernel kills every process of the run, wherever it hid. The run sees
+  a new root: read-only system directories and interpreter, a fresh /proc, an empty
+  working directory on a size-limited tmpfs, nothing else (no /root, /home, /tmp or
+  project files). As root, a cgroup puts one memory and one process limit on the whole tree.
+- isolation="process" (the fallback, with a warning, where namespaces are unavailable):
+  resource limits per process, the process group and (as root) the run's fresh uid killed
+  afterwards; weaker: see docs/sandbox.md.
+- Always: the code arrives as an unnamed 0600 file on stdin (never in argv), `python -I`, a
+  scrubbed environment, rlimits (CPU, address space, file size, processes, open files, no
+  core), a fresh session keyring, no_new_privs, Landlock where the kernel has it (writes
+  only in the working directory, no TCP, no signals out), a wall-clock timeout, output read
+  with a cap, and a clean-up that never waits on the program.
+- As root the program runs as an unprivileged uid: a fresh one per run (run_as="auto") or
+  `run_as`. `run_as=None` as root keeps root, and then nothing is contained.
 """
 
 from __future__ import annotations
@@ -35,24 +33,26 @@ from __future__ import annotations
 import functools
 import math
 import os
-import resource
 import secrets
-import selectors
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
-import SimpleTorchLLMRL.tools.landlock as landlock
 from SimpleTorchLLMRL.tools.base import Tool
+from SimpleTorchLLMRL.tools.landlock import abi_version as landlock_abi
+from SimpleTorchLLMRL.tools.sandbox_run import Spec, finish, start, watch
 
 _FALLBACK_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3")
 _NOBODY = 65534
 _FRESH_UID_BASE, _FRESH_UID_SPAN = 1_500_000_000, 400_000_000
+_ISOLATIONS = ("auto", "namespaces", "process")
+_SECRET_LIMIT = 4096
+_namespaces_unsupported: dict[bool, str] = {}  # euid == 0 -> why namespaces failed here
 
 
 @dataclass
@@ -68,6 +68,7 @@ class SandboxResult:
     error: str | None = None
     timeout: float | None = None
     output_limit: int | None = None
+    report: bytes = b""  # what the program wrote to fd 4, when run with a secret (see PythonSandbox.run)
 
     @property
     def ok(self) -> bool:
@@ -95,113 +96,25 @@ class SandboxResult:
         return "\n".join(parts) if parts else "[no output]"
 
 
-def _cap(limit: int, value: int) -> tuple[int, int]:
-    """(soft, hard) = value, but never above the current hard limit (which only root may raise)."""
-    soft, hard = resource.getrlimit(limit)
-    v = value if hard == resource.RLIM_INFINITY else min(value, hard)
-    return v, v
-
-
-def _child_setup(limits: dict[int, int], uid: int | None, gid: int | None, workdir: str,
-                 confine: bool, allow_network: bool, abi: int) -> None:
-    """preexec_fn: runs in the forked child before exec (only syscalls, modules imported already)."""
-    for limit, value in limits.items():
-        if limit == resource.RLIMIT_CPU:  # soft -> SIGXCPU, hard one second later -> SIGKILL
-            soft, hard = _cap(limit, value + 1)
-            resource.setrlimit(limit, (max(1, soft - 1), hard))
-        else:
-            resource.setrlimit(limit, _cap(limit, value))
-    if confine:
-        landlock.restrict_writes(workdir, allow_network=allow_network, abi=abi)
-    if uid is not None:
-        os.setgroups([])
-        os.setgid(gid)
-        os.setuid(uid)
-
-
-def _kill_uid(uid: int, rounds: int = 50) -> None:
-    """SIGKILL every process whose real uid is `uid` (the run's own fresh uid), until none is left."""
-    for _ in range(rounds):
-        found = False
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/status") as f:
-                    status = f.read()
-            except OSError:
-                continue
-            fields = dict(x.split(":", 1) for x in status.splitlines() if x.startswith(("Uid:", "State:")))
-            real_uid = fields.get("Uid", "").split()[:1]
-            zombie = fields.get("State", "").split()[:1] == ["Z"]  # already dead, waiting to be reaped
-            if real_uid == [str(uid)] and not zombie:
-                found = True
-                try:
-                    os.kill(int(entry), signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        if not found:
-            return
-        time.sleep(0.01)
-
-
-def _read_capped(proc: subprocess.Popen, timeout: float, limit: int) -> tuple[bytes, bytes, bool, bool]:
-    """Read stdout/stderr until EOF or timeout, keeping at most `limit` bytes of each.
-
-    Returns (stdout, stderr, truncated, timed_out). Once the main process has exited,
-    background children still holding the pipes get a short grace period, then lose.
-    """
-    deadline = time.monotonic() + timeout
-    sel = selectors.DefaultSelector()
-    bufs, seen = [bytearray(), bytearray()], [0, 0]
-    for i, stream in enumerate((proc.stdout, proc.stderr)):
-        os.set_blocking(stream.fileno(), False)
-        sel.register(stream.fileno(), selectors.EVENT_READ, i)
-    timed_out, exited_at = False, None
-    try:
-        while sel.get_map():
-            now = time.monotonic()
-            if now >= deadline:
-                timed_out = proc.poll() is None
-                break
-            if exited_at is None and proc.poll() is not None:
-                exited_at = now
-            if exited_at is not None and now - exited_at > 0.25:
-                break
-            for key, _ in sel.select(min(deadline - now, 0.1)):
-                try:
-                    chunk = os.read(key.fd, 1 << 16)
-                except BlockingIOError:
-                    continue
-                if not chunk:
-                    sel.unregister(key.fd)
-                    continue
-                i = key.data
-                seen[i] += len(chunk)
-                room = limit - len(bufs[i])
-                if room > 0:
-                    bufs[i] += chunk[:room]
-    finally:
-        sel.close()
-    return bytes(bufs[0]), bytes(bufs[1]), max(seen) > limit, timed_out
-
-
 @dataclass
 class PythonSandbox:
     """Limits for running untrusted Python (see the module docstring).
 
-    timeout:          wall-clock seconds before the whole process group is killed
-    cpu_seconds:      CPU-time limit (default: ceil(timeout) + 1)
-    memory_mb:        address-space limit (RLIMIT_AS)
+    timeout:          wall-clock seconds before the whole run is killed
+    cpu_seconds:      CPU-time limit per process (default: ceil(timeout) + 1)
+    memory_mb:        address-space limit per process (RLIMIT_AS); as root with a usable cgroup also the
+                      limit of the whole run (processes, and files in its tmpfs); the size of that tmpfs
     file_size_mb:     largest file the code may write (RLIMIT_FSIZE)
-    max_processes:    processes and threads of the run's uid (RLIMIT_NPROC)
+    max_processes:    processes and threads of the run (RLIMIT_NPROC of its uid; as root also a cgroup)
     max_open_files:   RLIMIT_NOFILE
     max_output_bytes: bytes kept of stdout and of stderr each
     run_as:           "auto" (as root: a fresh unprivileged uid per run), a uid, or None (never drop)
-    python:           the interpreter (default sys.executable; when the dropped uid cannot run it,
-                      e.g. it lives under a 0700 /root, the first usable system python3)
+    python:           the interpreter (default sys.executable, made visible to the run read-only; when the
+                      run's uid still cannot start it, the first usable system python3, with a warning)
     confine_writes:   use Landlock, where available, to allow writes only in the working directory
-    allow_network:    with Landlock ABI >= 4, TCP connect/bind is denied unless True
+    allow_network:    keep the caller's network (no network namespace; no Landlock TCP rule)
+    isolation:        "auto" (namespaces where the kernel allows, else "process" with a warning),
+                      "namespaces" (an error result where unavailable) or "process"
     """
 
     timeout: float = 10.0
@@ -216,6 +129,7 @@ class PythonSandbox:
     python: str | None = None
     confine_writes: bool = True
     allow_network: bool = False
+    isolation: str = "auto"
 
     def __post_init__(self):
         if not self.timeout > 0:
@@ -229,8 +143,10 @@ class PythonSandbox:
             raise ValueError(f"PythonSandbox cpu_seconds must be an int >= 1 or None, got {self.cpu_seconds!r}")
         if not (self.run_as in ("auto", None) or (isinstance(self.run_as, int) and self.run_as > 0)):
             raise ValueError(f"PythonSandbox run_as must be 'auto', None or a uid > 0, got {self.run_as!r}")
+        if self.isolation not in _ISOLATIONS:
+            raise ValueError(f"PythonSandbox isolation must be one of {_ISOLATIONS}, got {self.isolation!r}")
 
-    # ---- identity and interpreter ---------------------------------------------------------------------
+    # ---- identity, interpreter, isolation ---------------------------------------------------------------
     def _identity(self) -> tuple[int | None, int | None, bool]:
         """(uid, gid, fresh): the identity to drop to, or (None, None, False) when not dropping."""
         if self.run_as is None or os.geteuid() != 0:
@@ -242,82 +158,90 @@ class PythonSandbox:
             return _NOBODY, _NOBODY, False
         return self.run_as, self.run_as, False
 
-    def _limits(self) -> dict[int, int]:
+    def _rlimits(self) -> dict[str, int]:
         mb = 1 << 20
         return {
-            resource.RLIMIT_CORE: 0,
-            resource.RLIMIT_CPU: self.cpu_seconds or math.ceil(self.timeout) + 1,
-            resource.RLIMIT_AS: self.memory_mb * mb,
-            resource.RLIMIT_FSIZE: self.file_size_mb * mb,
-            resource.RLIMIT_NPROC: self.max_processes,
-            resource.RLIMIT_NOFILE: self.max_open_files,
+            "RLIMIT_CORE": 0,
+            "RLIMIT_CPU": (self.cpu_seconds or math.ceil(self.timeout) + 1) + 1,  # soft = this - 1 -> SIGXCPU
+            "RLIMIT_AS": self.memory_mb * mb,
+            "RLIMIT_FSIZE": self.file_size_mb * mb,
+            "RLIMIT_NPROC": self.max_processes,
+            "RLIMIT_NOFILE": self.max_open_files,
         }
 
-    def _spawn(self, python: str, code: str, workdir: str, uid: int | None, gid: int | None) -> subprocess.Popen:
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-               "HOME": workdir, "TMPDIR": workdir}
-        abi = landlock.prepare() if self.confine_writes else 0
-        setup = functools.partial(_child_setup, self._limits(), uid, gid, workdir, abi > 0,
-                                  self.allow_network, abi)
-        return subprocess.Popen(
-            [python, "-I", "-c", code], cwd=workdir, env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
-            preexec_fn=setup,
-        )
+    def _isolation(self) -> str:
+        if self.isolation != "auto":
+            return self.isolation
+        return "process" if (os.geteuid() == 0) in _namespaces_unsupported else "namespaces"
 
     def interpreter(self) -> str:
         """The interpreter runs use: the configured one if the sandboxed uid can start it, else a fallback."""
-        uid, _, _ = self._identity()
         wanted = self.python or sys.executable
+        wanted = shutil.which(wanted) or wanted
+        uid, _, _ = self._identity()
         if uid is None:
             return wanted
         return _usable_interpreter(self, wanted)
 
     # ---- running --------------------------------------------------------------------------------------
-    def run(self, code: str) -> SandboxResult:
-        """Run `code` under the limits; never raises for anything the code does."""
+    def run(self, code: str, *, secret: bytes | None = None) -> SandboxResult:
+        """Run `code` under the limits; never raises for anything the code does.
+
+        secret: bytes the program (and only it) can read once from fd 3; what it writes to fd 4
+        (at most 4 KiB) comes back as `result.report`. CodeEnv uses this for a per-run nonce.
+        """
         if not isinstance(code, str):
             raise TypeError(f"PythonSandbox.run takes source code as a str, got {type(code).__name__}")
+        if secret is not None and not (isinstance(secret, bytes) and len(secret) <= _SECRET_LIMIT):
+            raise ValueError(f"PythonSandbox.run secret must be bytes of at most {_SECRET_LIMIT}, got {secret!r:.40}")
         if len(code) > self.max_code_chars or "\x00" in code:
             why = "contains a NUL byte" if "\x00" in code else f"is over {self.max_code_chars} characters"
             return SandboxResult("", "", None, error=f"the code {why}", timeout=self.timeout)
-        return self._run(code, self.interpreter())
-
-    def _run(self, code: str, python: str) -> SandboxResult:
-        uid, gid, fresh = self._identity()
-        start = time.monotonic()
-        workdir = tempfile.mkdtemp(prefix="stlr-sandbox-")
-        proc = None
+        began = time.monotonic()
         try:
-            if uid is not None:
-                os.chown(workdir, uid, gid)
-            try:
-                proc = self._spawn(python, code, workdir, uid, gid)
-            except (OSError, subprocess.SubprocessError) as e:
-                return SandboxResult("", "", None, error=f"could not start the interpreter: {e}",
-                                     seconds=time.monotonic() - start, timeout=self.timeout)
-            out, err, truncated, timed_out = _read_capped(proc, self.timeout, self.max_output_bytes)
+            return self._run(code, self.interpreter(), secret)
+        except Exception as e:  # a failure of the sandbox itself: reported to the caller, never raised
+            return SandboxResult("", "", None, error=f"sandbox failure: {type(e).__name__}: {e}",
+                                 seconds=time.monotonic() - began, timeout=self.timeout)
+
+    def _run(self, code: str, python: str, secret: bytes | None = None) -> SandboxResult:
+        isolation = self._isolation()
+        result, unsupported = self._run_isolated(code, python, secret, isolation)
+        if unsupported is not None:
+            _namespaces_unsupported[os.geteuid() == 0] = unsupported
+            if self.isolation == "namespaces":
+                return result
+            warnings.warn(f"PythonSandbox: namespaces are unavailable here ({unsupported}); falling back to "
+                          "isolation='process', which contains less (see docs/sandbox.md)", RuntimeWarning,
+                          stacklevel=3)
+            result, _ = self._run_isolated(code, python, secret, "process")
+        return result
+
+    def _run_isolated(self, code: str, python: str, secret: bytes | None,
+                      isolation: str) -> tuple[SandboxResult, str | None]:
+        uid, gid, fresh = self._identity()
+        began = time.monotonic()
+        spec = Spec(code, python, isolation, self._rlimits(), uid, gid, fresh, self.memory_mb << 20,
+                    self.max_processes, self.allow_network, landlock_abi() if self.confine_writes else 0, secret)
+        try:
+            launch = start(spec)
+        except (OSError, subprocess.SubprocessError) as e:
+            return SandboxResult("", "", None, error=f"could not start the sandbox: {e}",
+                                 seconds=time.monotonic() - began, timeout=self.timeout), None
+        outcome = None
+        try:
+            outcome = watch(launch, self.timeout, self.max_output_bytes)
         finally:
-            if proc is not None:
-                _kill_group(proc.pid)
-                if fresh:
-                    _kill_uid(uid)
-                proc.stdout.close()
-                proc.stderr.close()
-                proc.wait()
-            shutil.rmtree(workdir, ignore_errors=True)
+            finish(launch, outcome)
+        if outcome.unsupported is not None:
+            return SandboxResult("", "", None, error=f"namespaces are unavailable: {outcome.unsupported}",
+                                 seconds=time.monotonic() - began, timeout=self.timeout), outcome.unsupported
         return SandboxResult(
-            out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), proc.returncode,
-            timed_out=timed_out, truncated=truncated, seconds=time.monotonic() - start,
-            timeout=self.timeout, output_limit=self.max_output_bytes,
-        )
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+            outcome.stdout.decode("utf-8", "replace"), outcome.stderr.decode("utf-8", "replace"),
+            None if outcome.error else outcome.exit_code, timed_out=outcome.timed_out, truncated=outcome.truncated,
+            seconds=time.monotonic() - began, error=outcome.error, timeout=self.timeout,
+            output_limit=self.max_output_bytes, report=outcome.report,
+        ), None
 
 
 _probe_lock = threading.Lock()
@@ -336,25 +260,31 @@ def _fresh_uids_work() -> bool:
 
 
 def _usable_interpreter(box: PythonSandbox, wanted: str) -> str:
-    """`wanted` if a sandboxed run of `pass` works with it, else the first fallback that does."""
-    key = (wanted, box.run_as)
+    """`wanted` if a sandboxed run of it works, else (with a RuntimeWarning) the first fallback that does."""
+    key = (wanted, box.run_as, box._isolation())
     with _probe_lock:
         if key in _probe_cache:
             return _probe_cache[key]
-        tried = []
+        tried, why = [], ""
         for candidate in (wanted, *_FALLBACK_PYTHONS):
             if candidate in tried or (candidate != wanted and not os.path.exists(candidate)):
                 continue
             tried.append(candidate)
             r = box._run("import sys; print(sys.version_info[0])", candidate)
             if r.ok and r.stdout.strip() == "3":
+                if candidate != wanted:
+                    warnings.warn(
+                        f"PythonSandbox: the sandbox's unprivileged uid cannot run {wanted} ({why}); using "
+                        f"{candidate} instead, without the packages of {wanted}. Make it and its directories "
+                        "readable by all users (not under a 0700 directory such as /root), use "
+                        "isolation='namespaces', or pass python=...", RuntimeWarning, stacklevel=4)
                 _probe_cache[key] = candidate
                 return candidate
+            why = why or (r.error or r.stderr.strip() or f"exit code {r.exit_code}")[-300:]
         raise RuntimeError(
-            f"PythonSandbox: no interpreter among {tried} starts as an unprivileged user (e.g. it lives "
-            f"under /root, mode 0700; last error: {(r.error or r.stderr)[-300:]!r}). Pass "
-            "python='/path/to/python3' readable by all users, or run_as=None to stay root (the "
-            "process-count limit is then not enforced)."
+            f"PythonSandbox: no interpreter among {tried} starts as an unprivileged user ({why!r}). Pass "
+            "python='/path/to/python3' readable by all users, or run_as=None to stay root (nothing is then "
+            "contained)."
         )
 
 

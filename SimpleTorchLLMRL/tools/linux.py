@@ -1,0 +1,103 @@
+"""The few Linux syscalls the sandbox launcher needs, through ctypes (Python 3.11 has no os.unshare/os.mount).
+
+Standard library only and no package imports: the launcher loads this file by path
+in a fresh `python -I -S` process. Every call raises OSError (with errno) on failure.
+
+    unshare(NEWUSER | NEWNS | NEWPID)      new namespaces for the caller (PID: for its children)
+    map_ids(uid, gid)                      after NEWUSER: map the caller's own ids, deny setgroups
+    mount / bind_readonly / umount         mount(2), a read-only bind that keeps locked flags
+    pivot_root(".", ".")                   make the current directory the root
+    join_fresh_session_keyring()           keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL)
+    prctl(PR_SET_PDEATHSIG, 9)             and the other prctl options below
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+NEWNS, NEWCGROUP, NEWUTS, NEWIPC = 0x00020000, 0x02000000, 0x04000000, 0x08000000
+NEWUSER, NEWPID, NEWNET = 0x10000000, 0x20000000, 0x40000000
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
+
+# syscalls glibc does not wrap: (pivot_root, keyctl) by machine
+_SYSCALLS = {"x86_64": (155, 250), "aarch64": (41, 219), "arm64": (41, 219)}
+_KEYCTL_JOIN_SESSION_KEYRING = 1
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_libc.unshare.argtypes = [ctypes.c_int]
+_libc.sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+
+def _check(result: int, what: str) -> int:
+    if result < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+    return result
+
+
+def _b(path: str | None) -> bytes | None:
+    return None if path is None else os.fsencode(path)
+
+
+def unshare(flags: int) -> None:
+    _check(_libc.unshare(flags), "unshare")
+
+
+def map_ids(uid: int, gid: int) -> None:
+    """In a new user namespace: the only mapped ids are the caller's own (the unprivileged case)."""
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        fd = os.open(f"/proc/self/{name}", os.O_WRONLY)
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+
+
+def mount(source: str | None, target: str, fstype: str | None, flags: int = 0, data: str | None = None) -> None:
+    _check(_libc.mount(_b(source), _b(target), _b(fstype), flags, _b(data)), f"mount {target}")
+
+
+def bind_readonly(source: str, target: str) -> None:
+    """Bind `source` (recursively) at `target`, then make the top mount read-only, nosuid and nodev.
+
+    A remount must keep the flags that are locked on the source (e.g. noexec), so they are copied.
+    """
+    mount(source, target, None, MS_BIND | MS_REC)
+    keep = os.statvfs(target).f_flag & MS_NOEXEC  # ST_NOEXEC == MS_NOEXEC
+    mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | keep)
+
+
+def umount(target: str, flags: int = MNT_DETACH) -> None:
+    _check(_libc.umount2(_b(target), flags), f"umount {target}")
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    number = _SYSCALLS.get(os.uname().machine, (None, None))[0]
+    if number is None:
+        raise OSError(38, f"pivot_root: syscall number unknown on {os.uname().machine}")
+    _check(_libc.syscall(number, _b(new_root), _b(put_old)), "pivot_root")
+
+
+def sethostname(name: str) -> None:
+    _check(_libc.sethostname(name.encode(), len(name.encode())), "sethostname")
+
+
+def join_fresh_session_keyring() -> None:
+    """A new anonymous session keyring: keys of the caller's session are no longer reachable."""
+    number = _SYSCALLS.get(os.uname().machine, (None, None))[1]
+    if number is None:
+        raise OSError(38, f"keyctl: syscall number unknown on {os.uname().machine}")
+    _check(_libc.syscall(number, _KEYCTL_JOIN_SESSION_KEYRING, None), "keyctl(JOIN_SESSION_KEYRING)")
+
+
+def prctl(option: int, value: int) -> None:
+    _check(_libc.prctl(option, value, 0, 0, 0), f"prctl({option})")
