@@ -97,12 +97,49 @@ class FunctionReward(Reward):
         return float(self.fn(message.content, ground_truth))
 
 
+_LITERAL = r"(?:[^\\.^$*+?{}\[\]|()]|\\[^A-Za-z0-9])+"  # plain characters and escaped punctuation
+_TAGGED = re.compile(rf"^(?P<open>{_LITERAL})\((?P<body>\.\*\?|\.\+\?|\[\\s\\S\]\*\?)\)(?P<close>{_LITERAL})$")
+
+
+def _literal_tags(extract: str) -> tuple[str, str, int] | None:
+    """(open, close, least body length) for a pattern `OPEN(.*?)CLOSE` with literal ends, else None."""
+    m = _TAGGED.match(extract)
+    if m is None:
+        return None
+    open_tag, close_tag = (re.sub(r"\\(.)", r"\1", m.group(end)) for end in ("open", "close"))
+    return open_tag, close_tag, 1 if m.group("body") == ".+?" else 0
+
+
+def _between_tags(open_tag: str, close_tag: str, least: int) -> Callable[[str], str | None]:
+    """The regex `OPEN(.*?)CLOSE`'s last match (as `re.finditer` finds them), in linear time.
+
+    A backtracking regex retries `.*?` from every unclosed OPEN to the end of the text:
+    quadratic on a long completion full of OPENs. Each `str.find` here moves forward instead.
+    """
+
+    def from_tags(text: str) -> str | None:
+        found, pos = None, 0
+        while True:
+            start = text.find(open_tag, pos)
+            if start < 0:
+                return found
+            body = start + len(open_tag)
+            end = text.find(close_tag, body + least)
+            if end < 0:
+                return found  # no CLOSE after this OPEN, so none after any later OPEN either
+            found, pos = text[body:end], end + len(close_tag)
+
+    return from_tags
+
+
 def make_extractor(extract: str | Callable[[str], str | None] | None) -> Callable[[str], str | None]:
     """The answer-extraction function for `extract`.
 
     None: the whole text. A regex string: its last match in the text (group 1 if the
     pattern has a group, else the whole match; DOTALL), None when it does not match.
-    A callable: used as is (returns the answer or None).
+    A callable: used as is (returns the answer or None). A pattern `OPEN(.*?)CLOSE` with
+    literal ends (`<answer>(.*?)</answer>`) runs in linear time; another regex is Python's
+    `re`, whose time on adversarial text is the pattern's own.
     """
     if extract is None:
         return lambda text: text
@@ -113,6 +150,9 @@ def make_extractor(extract: str | Callable[[str], str | None] | None) -> Callabl
             pattern = re.compile(extract, re.DOTALL)
         except re.error as e:
             raise ValueError(f"extract is not a valid regex: {extract!r} ({e})") from e
+        tags = _literal_tags(extract)
+        if tags is not None:
+            return _between_tags(*tags)
 
         def from_regex(text: str) -> str | None:
             matches = list(pattern.finditer(text))

@@ -1,14 +1,20 @@
-r"""`BoxedReward`: is the last `\boxed{...}` of the final MODEL message the right answer?
+r"""`BoxedReward`: is the answer boxed in the final MODEL message the right answer?
 
 Legend: B batch.
 
     reward = BoxedReward()                          # 1.0 correct, 0.0 otherwise
     rewards = reward(rollouts, ["\\frac{1}{2}", "42"])   # (B,) float32
 
-Equivalence is `reward.math.math_equal`: math-verify when installed (`uv sync
---extra math`), and a careful normalizer (1/2 == 0.5 == \dfrac12, 1,000 == 1000,
-units and `x =` stripped) either way. A ground truth may itself be a full
-solution: its own last `\boxed{}` or the text after a GSM8K-style `####` is used.
+Equivalence is `reward.math.math_equal`: anti-hacking rules first (hedges, unevaluated
+expressions against a numeric gold, exact integers), then math-verify when installed
+(`uv sync --extra math`, in a worker process with a deadline), else a careful
+normalizer (1/2 == 0.5 == \dfrac12, 1,000 == 1000, units and `x =` stripped).
+
+The answer is every box of the message: one box, or its distinct boxes read together as
+one list (`\boxed{1} and \boxed{-2}` is `1, -2`, as math-verify reads it), so boxing
+two candidates (`\boxed{17} or \boxed{18}`) is a wrong list, not a lucky guess. A ground
+truth may itself be a full solution: its last run of adjacent boxes (as one list) or
+the text after a GSM8K-style `####`. See docs/rewards.md.
 """
 
 from __future__ import annotations
@@ -17,17 +23,17 @@ from typing import Any
 
 from SimpleTorchLLMRL.chat.message import Message, Rollout
 from SimpleTorchLLMRL.reward.base import Reward, check_finite
-from SimpleTorchLLMRL.reward.math import extract_boxed, math_equal
+from SimpleTorchLLMRL.reward.math import boxed_answer, math_equal
 
 
 def gold_answer(ground_truth: Any) -> str | None:
-    r"""The answer inside a ground truth: its last `\boxed{}`, the text after `####`, or itself."""
+    r"""The answer inside a ground truth: its last boxes (adjacent ones: one list), the text after `####`, or itself."""
     if ground_truth is None:
         return None
     if isinstance(ground_truth, float) and ground_truth.is_integer():
         ground_truth = int(ground_truth)
     text = str(ground_truth).strip()
-    boxed = extract_boxed(text)
+    boxed = boxed_answer(text, all_boxes=False)
     if boxed is not None:
         return boxed
     if "####" in text:
@@ -42,12 +48,13 @@ class BoxedReward(Reward):
     and no (or an empty) box or no MODEL message at all. `use_math_verify`:
     None = when installed, True = required, False = normalizer only.
     A ground truth may be a list of acceptable answers (any match counts).
+    `timeout`: seconds math-verify may spend on one answer (its worker process is killed past it).
     """
 
     name = "boxed"
 
     def __init__(self, correct: float = 1.0, incorrect: float = 0.0, no_answer: float = 0.0,
-                 use_math_verify: bool | None = None, rel_tol: float = 1e-9):
+                 use_math_verify: bool | None = None, rel_tol: float = 1e-9, timeout: float = 5.0):
         self.correct = check_finite("correct", correct)
         self.incorrect = check_finite("incorrect", incorrect)
         self.no_answer = check_finite("no_answer", no_answer)
@@ -61,6 +68,9 @@ class BoxedReward(Reward):
         if not (0.0 <= rel_tol < 1.0):
             raise ValueError(f"rel_tol must be in [0, 1), got {rel_tol!r}")
         self.rel_tol = float(rel_tol)
+        if not (isinstance(timeout, (int, float)) and 0 < timeout <= 15):
+            raise ValueError(f"timeout must be a number of seconds in (0, 15], got {timeout!r}")
+        self.timeout = float(timeout)
 
     @property
     def failure_value(self) -> float:
@@ -68,16 +78,16 @@ class BoxedReward(Reward):
 
     @staticmethod
     def extract(text: str | None) -> str | None:
-        r"""The answer this reward reads from `text`: its last complete `\boxed{}` (None if none/empty)."""
-        answer = extract_boxed(text)
-        return answer if answer else None
+        r"""The answer this reward reads from `text`: its complete boxes, distinct ones as a list (None if none)."""
+        return boxed_answer(text)
 
     def is_correct(self, prediction: str | None, ground_truth: Any) -> bool:
         golds = ground_truth if isinstance(ground_truth, (list, tuple)) else [ground_truth]
         if not golds or any(g is None for g in golds):
             raise ValueError(f"BoxedReward needs a ground truth for every rollout, got {ground_truth!r}")
         return any(
-            math_equal(prediction, gold_answer(g), use_math_verify=self.use_math_verify, rel_tol=self.rel_tol)
+            math_equal(prediction, gold_answer(g), use_math_verify=self.use_math_verify, rel_tol=self.rel_tol,
+                       timeout=self.timeout)
             for g in golds
         )
 

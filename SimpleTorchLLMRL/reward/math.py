@@ -1,25 +1,30 @@
 r"""Math answers: extract `\boxed{...}`, normalize, and decide equivalence.
 
-`math_equal(pred, gold)` is True when the two answers are equivalent. With the
-optional `math-verify` package (`uv sync --extra math`) it asks math-verify
-first (symbolic equivalence through SymPy); when that says no, or when the
-package is missing, a careful normalizer decides:
+`math_equal(pred, gold)` is True when the two answers are equivalent. In order:
+`answer_rule` (anti-hacking rules, the same with or without math-verify: hedges like
+`17 or 18` score nothing, and against a numeric gold the answer must be a number
+written as a result, compared exactly); then the optional `math-verify` package
+(`uv sync --extra math`), whose verdict is final when it gives one (it runs in worker
+processes with a deadline: `math_verify_pool`); then a careful normalizer:
 
-    1/2 == 0.5 == \frac{1}{2} == \dfrac12 == \tfrac{1}{2}     3.0 == 3 == +3
-    "1,000" == 1000 == 1{,}000       5\text{ cm} == 5 cm == 5     x = 3 == 3
-    90^\circ == 90       50\% == 50       $-2$ == −2 (unicode minus)
+    1/2 == 0.5 == \frac{1}{2} == \dfrac12 == \cfrac{1}{2} == \left(\frac12\right)   3.0 == 3 == +3
+    "1,000" == 1000 == 1{,}000 ("32, 349" is a list)   5\text{ cm} == 5\textnormal{ cm} == 5 cm == 5
+    x = 3 == 3     90^\circ == 90     50\% == $50$ % == 50     $-2$ == -2 (unicode minus)
     (1, \frac{1}{2}) == (1,0.5)   (elementwise; brackets must match: (1,2] != (1,2))
 
-It does no algebra: 2\sqrt{2} vs \sqrt{8} needs math-verify.
+It does no algebra: 2\sqrt{2} vs \sqrt{8} needs math-verify. See docs/rewards.md.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-import threading
 import unicodedata
-from fractions import Fraction
+
+from SimpleTorchLLMRL.reward.hedges import hedge_words, is_unit
+from SimpleTorchLLMRL.reward.math_verify_pool import ask_math_verify
+from SimpleTorchLLMRL.reward.numbers import NUM as _NUM
+from SimpleTorchLLMRL.reward.numbers import is_literal, normalized_equal, to_number  # noqa: F401 (to_number: public)
 
 _BOX_CMD = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 
@@ -71,6 +76,61 @@ def extract_boxed(text: str | None) -> str | None:
     return None
 
 
+def _box_spans(text: str | None) -> list[tuple[int, int, str]]:
+    """(start, end, content) of every complete outermost box, in order (linear time)."""
+    if not text:
+        return []
+    pairs, spans, end = None, [], -1
+    for m in _BOX_CMD.finditer(text):
+        if m.start() < end:
+            continue  # a box inside another box is part of the outer one
+        i = m.end()
+        while i < len(text) and text[i] in " \t":
+            i += 1
+        if i < len(text) and text[i] == "{":
+            pairs = _brace_pairs(text) if pairs is None else pairs
+            close = pairs.get(i)
+            if close is not None:  # an unclosed (truncated) box is skipped
+                spans.append((m.start(), close + 1, text[i + 1: close].strip()))
+                end = close
+            continue
+        arg = re.match(r"[^\s${}\\]+", text[i:i + 200])
+        if arg and arg.group(0).rstrip(".,;"):
+            spans.append((m.start(), i + len(arg.group(0)), arg.group(0).rstrip(".,;")))
+    return spans
+
+
+def extract_boxes(text: str | None) -> list[str]:
+    r"""Contents of every complete outermost `\boxed{...}` / `\fbox{...}` in `text`, in order (linear time)."""
+    return [content for _, _, content in _box_spans(text)]
+
+
+_CONNECTIVE = re.compile(r"(?:\s|[,;.&]|\$|\\[()\[\],]|\\q?quad(?![A-Za-z])|\\text\{\s*and\s*\}|and(?![A-Za-z]))*")
+
+
+def boxed_answer(text: str | None, *, all_boxes: bool = True) -> str | None:
+    r"""The answer a text gives in boxes: one box's content, or its distinct boxes joined as a list.
+
+    `\boxed{1} and \boxed{-2}` -> `1, -2` (math-verify's reading: a set); a box repeated
+    with the same answer counts once. all_boxes=False (how a gold is read): only the last
+    run of boxes joined by nothing but punctuation, spacing or "and" (math-verify's
+    reading of `\boxed{1} no no \boxed{2}` is `2`). None when there is no non-empty box.
+    """
+    spans = _box_spans(text)
+    if not all_boxes:
+        first = len(spans) - 1
+        while first > 0 and _CONNECTIVE.fullmatch(text, spans[first - 1][1], spans[first][0]):
+            first -= 1
+        spans = spans[first:]
+    distinct, seen = [], set()
+    for _, _, box in spans:
+        key = normalize_math(box)
+        if key and key not in seen:
+            seen.add(key)
+            distinct.append(box)
+    return ", ".join(distinct) if distinct else None
+
+
 # ---------------------------------------------------------------- normalization
 
 _UNICODE = str.maketrans({
@@ -83,13 +143,29 @@ _DROP = [
     r"\\ ", r"~", r"\^\{?\\circ\}?", r"\\%", r"%", r"\\\$", r"\\mathrm\{\s*\}",
 ]
 _DROP_RE = re.compile("|".join(_DROP))
-_TEXT_CMD = r"\\(?:text|textrm|textbf|textit|mbox|mathrm|operatorname)"
-_TRAILING_UNIT = re.compile(_TEXT_CMD + r"\{[^{}]*\}(?:\^\{?\d\}?)?\s*$")
+_TEXT_CMD = r"\\(?:text|textrm|textnormal|textbf|textit|textsf|mbox|mathrm|operatorname)"
+_UNIT_WORDS = r"[A-Za-z]+\.?(?:[ /][A-Za-z]+\.?){0,2}"  # "cm", "sq. ft", "km/h": letters only, at most 3 words
+_TRAILING_UNIT = re.compile(_TEXT_CMD + r"\{\s*(" + _UNIT_WORDS + r")\s*\}(?:\^\{?\d\}?)?\s*$")
 _TEXT_WRAP = re.compile(_TEXT_CMD + r"\{([^{}]*)\}")
 _LHS = re.compile(r"^\s*(?:[A-Za-z]|\\[A-Za-z]+)(?:_\{?\w+\}?)?\s*=\s*(?!=)")
+_IN_LHS = re.compile(r"^\s*(?:[A-Za-z]|\\[A-Za-z]+)(?:_\{?\w+\}?)?\s*\\in(?![A-Za-z])\s*")  # "x \in [-2, 7]"
 _THOUSANDS = re.compile(r"^[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
-_NUM = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)"  # unambiguous: no quadratic backtracking
-_WORD_UNITS = re.compile(rf"^({_NUM})\s+[A-Za-z]{{2,}}(?:\s+[A-Za-z]+)*\.?$")
+_WORD_UNITS = re.compile(rf"^({_NUM})\s+([A-Za-z]{{2,}}(?:\s+[A-Za-z]+){{0,2}})\.?$")
+
+
+def _single_group(s: str) -> bool:
+    """Is `s` = "(...)" one parenthesized item: the first "(" closes at the end, no top-level comma inside?"""
+    depth = 0
+    for i, c in enumerate(s):
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0 and i != len(s) - 1:
+                return False
+        elif c == "," and depth == 1:
+            return False
+    return depth == 0
 
 
 def _strip_delimiters(s: str) -> str:
@@ -121,28 +197,34 @@ def normalize_math(answer) -> str:
     boxed = extract_boxed(s) if "\\boxed" in s or "\\fbox" in s else None
     if boxed is not None:
         s = boxed
+    s = _strip_delimiters(re.sub(r"(?<!\\)\$", " ", s))  # "$28$ %": a dollar sign is never part of the value
     s = _DROP_RE.sub("", s)
-    s = re.sub(r"\\[dt]frac(?![A-Za-z])", r"\\frac", s)
+    s = re.sub(r"\\[dtc]frac(?![A-Za-z])", r"\\frac", s)
     for _ in range(3):  # "5\text{ cm}^2" -> "5"; a bare "\text{yes}" is kept (unwrapped below)
         m = _TRAILING_UNIT.search(s)
-        if not m or not s[: m.start()].strip():
+        if not m or not s[: m.start()].strip() or not is_unit(m.group(1)):
             break
         s = s[: m.start()]
     s = _TEXT_WRAP.sub(r"\1", s).strip()
-    m = _WORD_UNITS.match(s)  # "5 apples" -> "5"
-    if m:
+    m = _WORD_UNITS.match(s)  # "5 apples" -> "5"; "5 or six" stays
+    if m and is_unit(m.group(2)):
         s = m.group(1)
     if s.count("=") == 1 and _LHS.match(s):
         s = _LHS.sub("", s, count=1)
-    s = s.rstrip(".").strip()
-    s = re.sub(r"\s+", "", s).replace("{,}", ",")
-    if _THOUSANDS.match(s):
+    elif "=" not in s:
+        s = _IN_LHS.sub("", s, count=1)
+    s = s.rstrip(".").strip().replace("{,}", ",")
+    if _THOUSANDS.match(s):  # "1,000" (no space after the comma: "32, 349" is a list)
         s = s.replace(",", "")
+    s = re.sub(r"\s+", "", s)
     s = _fix_fracs(s)
-    for _ in range(3):  # "{7}" -> "7" (bounded: each check is a linear scan)
-        if not (s.startswith("{") and s.endswith("}") and _match_brace(s, 0) == len(s) - 1):
+    for _ in range(3):  # "{7}" -> "7", "(\frac{1}{3})" -> "\frac{1}{3}" (bounded: each check is a linear scan)
+        if s.startswith("{") and s.endswith("}") and _match_brace(s, 0) == len(s) - 1:
+            s = s[1:-1]
+        elif s.startswith("(") and s.endswith(")") and _single_group(s):
+            s = s[1:-1]
+        else:
             break
-        s = s[1:-1]
     if s.startswith("+"):
         s = s[1:]
     if "\\" not in s:
@@ -150,98 +232,64 @@ def normalize_math(answer) -> str:
     return s
 
 
-# ---------------------------------------------------------------- numbers
-
-_DECIMAL = re.compile(rf"^{_NUM}(?:e[+-]?\d+)?$")
-_SCI = re.compile(rf"^({_NUM})\\(?:times|cdot)10\^\{{?([+-]?\d+)\}}?$")
-_FRAC = re.compile(r"^([+-]?)\\frac\{([^{}]+)\}\{([^{}]+)\}$")
-_MAX_EXP = 400
-
-
-def _exp_ok(text: str) -> bool:
-    m = re.search(r"e([+-]?\d+)$", text)
-    return m is None or abs(int(m.group(1))) <= _MAX_EXP
-
-
-def to_number(s: str) -> Fraction | None:
-    r"""Exact value of a normalized numeric answer: `3`, `-0.5`, `1e3`, `2\times10^{3}`, `\frac{a}{b}`, `a/b`."""
-    try:
-        if _DECIMAL.match(s):
-            return Fraction(s) if _exp_ok(s) else None
-        m = _SCI.match(s)
-        if m:
-            exp = int(m.group(2))
-            return Fraction(m.group(1)) * Fraction(10) ** exp if abs(exp) <= _MAX_EXP else None
-        m = _FRAC.match(s)
-        if m:
-            num, den = to_number(m.group(2)), to_number(m.group(3))
-            if num is None or den is None or den == 0:
-                return None
-            return -num / den if m.group(1) == "-" else num / den
-        if s.count("/") == 1:
-            a, b = s.split("/")
-            num, den = to_number(a), to_number(b)
-            if num is not None and den is not None and den != 0 and not b.startswith(("+", "-")):
-                return num / den
-    except (ValueError, ZeroDivisionError, OverflowError):  # e.g. over Python's int-digit limit
-        return None
-    return None
-
-
-_PAIRS = {"(": ")", "[": "]", "\\{": "\\}", "\\langle": "\\rangle"}
-
-
-def _split_top_level(s: str) -> tuple[str, list[str], str] | None:
-    r"""`(a,b]` -> ("(", ["a", "b"], "]"): the wrapper and the depth-0 comma-separated items."""
-    opener = next((o for o in _PAIRS if s.startswith(o)), "")
-    closer = next((c for c in (")", "]", "\\}", "\\rangle") if s.endswith(c)), "") if opener else ""
-    if opener and not closer:
-        return None
-    inner = s[len(opener): len(s) - len(closer)]
-    items, depth, start, i = [], 0, 0, 0
-    while i < len(inner):
-        c = inner[i]
-        if c == "\\" and inner[i + 1: i + 2] in ("{", "}"):
-            depth += 1 if inner[i + 1] == "{" else -1
-            i += 2
-            continue
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        elif c == "," and depth == 0:
-            items.append(inner[start:i])
-            start = i + 1
-        i += 1
-    items.append(inner[start:])
-    return opener, items, closer
-
-
-def _numbers_close(a: Fraction, b: Fraction, rel_tol: float) -> bool:
-    if a == b:
-        return True
-    return rel_tol > 0 and abs(a - b) <= Fraction(rel_tol) * max(abs(a), abs(b))
-
-
-def _normalized_equal(a: str, b: str, rel_tol: float, depth: int = 0) -> bool:
-    if not a or not b:
-        return False
-    if a == b:
-        return True
-    x, y = to_number(a), to_number(b)
-    if x is not None and y is not None:
-        return _numbers_close(x, y, rel_tol)
-    if depth > 3 or ("," not in a and "," not in b):
-        return False
-    sa, sb = _split_top_level(a), _split_top_level(b)
-    if sa is None or sb is None or sa[0] != sb[0] or sa[2] != sb[2] or len(sa[1]) != len(sb[1]) or len(sa[1]) < 2:
-        return False
-    return all(_normalized_equal(p, q, rel_tol, depth + 1) for p, q in zip(sa[1], sb[1], strict=True))
-
-
 def fallback_equal(pred, gold, rel_tol: float = 1e-9) -> bool:
     """Equivalence by `normalize_math` + exact rational comparison (no math-verify)."""
-    return _normalized_equal(normalize_math(pred), normalize_math(gold), rel_tol)
+    return normalized_equal(normalize_math(pred), normalize_math(gold), rel_tol)
+
+
+# ---------------------------------------------------------------- rules that hold in both modes
+
+_COSTLY = re.compile(
+    r"\^\s*\{[^{}]*\^"          # an exponent tower: 9^{9^{9}}
+    r"|\^\s*\d+\s*\^"            # 9^9^9
+    r"|\^\s*\{?\s*[+-]?\d{5,}"    # an exponent of 10000 or more
+    r"|\d{4,}\s*\}?\s*!"         # 1000!
+    r"|!\s*\)*\s*!"               # (5!)!, 5!!
+)
+
+
+def too_costly(answer: str) -> bool:
+    r"""Could evaluating `answer` take SymPy minutes (exponent towers, huge exponents, factorials)?"""
+    return _COSTLY.search(answer) is not None
+
+
+def answer_rule(pred: str, gold: str, rel_tol: float = 1e-9) -> bool | None:
+    r"""The verdict of the anti-hacking rules, or None when they leave it to the comparison.
+
+    False: the answer hedges (`17 or 18`, `5 is not the answer`), or the gold is a number
+    (or a list of numbers) and the answer is not written as one: `645 \times 49`,
+    `\sqrt{4}`, `\frac{4}{2}` restate a question rather than answer it. Numbers against
+    numbers are decided here, exactly (integers never within a tolerance), the same way
+    with and without math-verify.
+    """
+    if hedge_words(pred, gold):
+        return False
+    p, g = normalize_math(pred), normalize_math(gold)
+    if not p or not g:
+        return False
+    if p == g:
+        return True
+    if not is_literal(g):
+        return None
+    return normalized_equal(_final_value(p), g, rel_tol, literal_only=True)
+
+
+_APPROX = re.compile(r"\\approx(?![A-Za-z])")
+_VARIABLE = re.compile(r"^(?:[A-Za-z]|\\[A-Za-z]+)(?:_\{?\w+\}?)?$")
+
+
+def _final_value(answer: str) -> str:
+    r"""The value a normalized chain of equalities ends with: `x=5+5+1=11` -> `11`, `645\times49=31605` -> `31605`.
+
+    An approximation after the value is dropped (`x=1/3\approx0.33` -> `1/3`; `x\approx11` -> `11`).
+    Only used against a numeric gold, where the answer must end in a number written as a result.
+    """
+    parts = _APPROX.split(answer, maxsplit=1)
+    if len(parts) == 2 and not (_VARIABLE.match(parts[0]) and "=" not in parts[1]):
+        answer = parts[0]
+    else:
+        answer = "=".join(parts)
+    return answer.rsplit("=", 1)[-1] if "=" in answer else answer
 
 
 # ---------------------------------------------------------------- math-verify
@@ -267,34 +315,35 @@ def _import_math_verify():
     return math_verify
 
 
-def math_verify_equal(pred: str, gold: str) -> bool:
-    r"""math-verify's verdict on `\boxed{pred}` against `\boxed{gold}`; False on any parse failure."""
-    mv = _import_math_verify()
-    # math-verify's timeouts use SIGALRM, which only works on the main thread.
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    try:
-        g = mv.parse(f"\\boxed{{{gold}}}", parsing_timeout=timeout)
-        p = mv.parse(f"\\boxed{{{pred}}}", parsing_timeout=timeout)
-        return bool(g) and bool(p) and bool(mv.verify(g, p, timeout_seconds=timeout))
-    except Exception:  # assorted parser errors
-        return False
-    except BaseException as e:  # math-verify's TimeoutException derives from BaseException
-        if type(e).__name__ == "TimeoutException":
-            return False
-        raise
+def math_verify_equal(pred: str, gold: str, timeout: float = 5.0) -> bool | None:
+    r"""math-verify's verdict on `\boxed{pred}` against `\boxed{gold}`, within `timeout` seconds on any thread.
+
+    None: no verdict (it could not read one of them, the answer is too costly to
+    evaluate, or it ran past `timeout` and its worker process was killed).
+    """
+    _import_math_verify()
+    if too_costly(pred) or too_costly(gold):
+        return None
+    return ask_math_verify(str(gold), str(pred), timeout)
 
 
-def math_equal(pred, gold, *, use_math_verify: bool | None = None, rel_tol: float = 1e-9) -> bool:
+def math_equal(pred, gold, *, use_math_verify: bool | None = None, rel_tol: float = 1e-9,
+               timeout: float = 5.0) -> bool:
     """True when `pred` and `gold` are the same math answer.
 
-    use_math_verify: None = use it when installed; True = require it (ImportError
-    naming `uv sync --extra math` otherwise); False = normalizer only. math-verify
-    and the normalizer are OR-ed: either one saying "equal" is enough.
+    In order: the anti-hacking rules (`answer_rule`: hedges, unevaluated expressions
+    against a numeric gold, exact numbers); then math-verify, whose verdict is final when
+    it gives one (use_math_verify: None = when installed, True = required, False = never);
+    then the normalizer (`fallback_equal`). `timeout`: seconds math-verify may spend.
     """
     if pred is None or gold is None:
         return False
     pred, gold = str(pred), str(gold)
+    verdict = answer_rule(pred, gold, rel_tol)
+    if verdict is not None:
+        return verdict
     if use_math_verify is True or (use_math_verify is None and math_verify_available()):
-        if math_verify_equal(pred, gold):
-            return True
+        verdict = math_verify_equal(pred, gold, timeout)
+        if verdict is not None:
+            return verdict
     return fallback_equal(pred, gold, rel_tol)

@@ -1,0 +1,95 @@
+r"""Issue 16, items 10 and 13: no unearned math reward, in both modes; the fallback's documented scope.
+
+"Both modes": with math-verify (when installed) and with the pure-Python fallback
+(`use_math_verify=False`, which is also what runs where math-verify is absent).
+"""
+
+import pytest
+
+from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+from SimpleTorchLLMRL.reward import BoxedReward, gold_answer, math_equal, math_verify_available
+from SimpleTorchLLMRL.reward import math as rmath
+from tests.math_verify_cases import agreement, load_cases
+
+MODES = [pytest.param(False, id="fallback"),
+         pytest.param(None, id="math-verify",
+                      marks=pytest.mark.skipif(not math_verify_available(), reason="math-verify not installed"))]
+
+
+def boxed(text, gold, mode):
+    rollout = Rollout([Message("question"), Message(text, MessageType.MODEL)])
+    return BoxedReward(use_math_verify=mode)([rollout], [gold]).item()
+
+
+HACKS = [  # (completion, gold): each earned a reward before
+    (r"\boxed{645 \times 49}", "31605"),               # restating the question
+    (r"\boxed{645 \cdot 49}", "31605"),
+    (r"\boxed{\sqrt{4}}", "2"),
+    (r"\boxed{\frac{63210}{2}}", "31605"),             # an unevaluated division
+    (r"\boxed{12345678901}", "12345678902"),           # a relative tolerance on integers
+    (r"\boxed{32, 349}", "32349"),                     # a list read as thousands
+    (r"\boxed{17 \text{ (or 18)}}", "17"),             # hedges stripped as units
+    (r"\boxed{17 or eighteen}", "17"),
+    (r"\boxed{17 \text{ or } 18}", "18"),
+    (r"\boxed{5 is not the answer}", "5"),
+    (r"\boxed{5 eighteen}", "5"),
+    (r"\boxed{17} or \boxed{18}", "18"),               # two boxed candidates are a list, not a lucky guess
+    (r"\boxed{-2}", r"\(\boxed{1}\) and \(\boxed{-2}\)"),  # a gold with several boxes is all of them
+    (r"\boxed{1}", r"\boxed{1},\boxed{2}"),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("completion, gold", HACKS)
+def test_no_reward_for_hacks(completion, gold, mode):
+    assert boxed(completion, gold, mode) == 0.0
+
+
+EARNED = [  # what the rules above must still accept
+    (r"\boxed{31605}", "31605"), (r"\boxed{31,605}", "31605"), (r"\boxed{645 \times 49 = 31605}", "31605"),
+    (r"\boxed{x = 31605}", "31605"), (r"\boxed{12345678902}", "12345678902"), (r"\boxed{5 apples}", "5"),
+    (r"\boxed{\frac{1}{2}}", "0.5"), (r"\boxed{1, -2}", r"\(\boxed{1}\) and \(\boxed{-2}\)"),
+    (r"\boxed{-2} and \boxed{1}", r"\boxed{1},\boxed{-2}"), (r"\boxed{\{1, 2\}}", r"\boxed{1},\boxed{2}"),
+    (r"\boxed{17} ... so \boxed{17}", "17"), (r"\boxed{(11,7) or (7,11)}", "(11,7) or (7,11)"),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("completion, gold", EARNED)
+def test_earned_rewards_still_paid(completion, gold, mode):
+    assert boxed(completion, gold, mode) == 1.0
+
+
+def test_gold_with_several_boxes_is_their_list():
+    assert gold_answer(r"\(\boxed{1}\) and \(\boxed{-2}\).") == "1, -2"
+    assert gold_answer(r"\boxed{4} so \boxed{4}") == "4"
+    assert gold_answer(r"\boxed{1} no no no \boxed{2}") == "2"  # not joined: the last run of boxes (as math-verify)
+
+
+def test_math_verify_false_is_not_overruled_by_the_fallback(monkeypatch):
+    monkeypatch.setattr(rmath, "math_verify_available", lambda: True)
+    monkeypatch.setattr(rmath, "_import_math_verify", lambda: None)
+    monkeypatch.setattr(rmath, "ask_math_verify", lambda gold, pred, timeout: False)
+    assert rmath.fallback_equal("(x, 1/2)", "(x, 0.5)")
+    assert not math_equal("(x, 1/2)", "(x, 0.5)")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("answer, gold", [
+    (r"\cfrac{1}{3}", "1/3"), (r"\left(\frac13\right)", "1/3"), ("$28$ %", r"$28\%$"), (r"5\textnormal{ miles}", "5"),
+])
+def test_fallback_gaps_closed(answer, gold, mode):  # item 13
+    assert math_equal(answer, gold, use_math_verify=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_reward_for_any_expected_false_case_of_math_verify(mode):
+    for answers in (True, False):
+        _, false_rewards, _ = agreement(mode, answers=answers)
+        assert false_rewards == [], [(c["gold"], c["pred"]) for c in false_rewards]
+
+
+@pytest.mark.skipif(not math_verify_available(), reason="math-verify not installed")
+def test_agreement_with_math_verify_expected_verdicts():
+    share, _, misses = agreement(None)
+    assert len(load_cases()) == 270 and share >= 0.97, [(c["gold_answer"], c["pred_answer"]) for c in misses]
