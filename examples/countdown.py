@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from SimpleTorchLLMRL.env import ToolUseEnv, collect_rollouts, tool_stats
+from SimpleTorchLLMRL.model.dropout import disable_dropout
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.reward import FunctionReward, extract_boxed
 from SimpleTorchLLMRL.testing.tiny import (
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     generator = ModelGenerate(model, tokenizer, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               tool_call_stop=env.stop_strings, seed=args.seed)
     reward_fn = FunctionReward(countdown_score, name="countdown")
+    disable_dropout(model)  # exact on-policy ratios
     grpo = GRPO(model, tokenizer, eps=0.2, beta=0.0, temperature=args.temperature)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     logger = MetricsLogger(args.out, config=vars(args))

@@ -13,6 +13,13 @@ Without --model the policy is a random tiny Qwen2 (`SimpleTorchLLMRL.testing.tin
 the mechanics (sharded generation, the global normalizer, gathering weights), not
 learning. The loop is the plain one from the README; the distributed parts are
 `init_distributed`, `wrap_fsdp2`, `data_parallel_normalizer` and `full_state_dict`.
+
+Each rank prints torch's warning "FSDP2-wrapped module (FSDPQwen2ForCausalLM) returned a view
+tensor ... wrong gradients" once. It is about `hidden_states[0]`, the embedding output, which
+FSDP2 hands back as a view of the all-gathered embedding; the loss reads only the final hidden
+state (`hidden_states[-1]`, not a view) and nothing here modifies any output in place, so the
+hazard it warns of (an in-place op dropping the pre-backward hook) cannot happen. Gradients are
+checked against an unsharded run in tests/test_fsdp.py.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from SimpleTorchLLMRL.distributed.launch import (
 )
 from SimpleTorchLLMRL.env.QASolve import QASolverEnv
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
+from SimpleTorchLLMRL.model.dropout import disable_dropout
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.model.lora import apply_lora
 from SimpleTorchLLMRL.model.weight_sync import export_adapter
@@ -93,6 +101,7 @@ def main(argv=None) -> None:
     allocate_gather_buffers(model)  # before sampling under torch.inference_mode (see its docstring)
     generator = ModelGenerate(model, tokenizer, max_new_tokens=args.max_new_tokens, temperature=1.0,
                               seed=args.seed + info.rank)  # different samples on every rank
+    disable_dropout(model)  # exact on-policy ratios
     grpo = GRPO(model, tokenizer, group_size=args.group_size)
     # correctness, plus a small length penalty so that even a random policy sees different rewards
     env = QASolverEnv()

@@ -22,6 +22,7 @@ import torch
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt, rollouts_to_batch
 from SimpleTorchLLMRL.env.multiagent import agent_turns, set_trainable_agents, take_turn, view_for_agent
+from SimpleTorchLLMRL.model.dropout import disable_dropout
 from SimpleTorchLLMRL.reward import BoxedReward, CombinedReward, LengthPenalty
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
@@ -70,7 +71,7 @@ def main(num_debates: int = 4, rounds: int = 2, max_new_tokens: int = 12, temper
 def _run(num_debates, rounds, max_new_tokens, temperature, lr, seed) -> dict:
     torch.manual_seed(seed)
     tok = tiny_tokenizer("chatml")
-    model = tiny_model("qwen2", tok, seed=seed)
+    model = disable_dropout(tiny_model("qwen2", tok, seed=seed))
     respond = make_sampler(model, tok, max_new_tokens, temperature)
 
     # 1. Debates: A, B, A, B, ... each sampled from the speaker's own view.

@@ -22,6 +22,7 @@ import torch
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import rollouts_to_batch
+from SimpleTorchLLMRL.model.dropout import disable_dropout
 from SimpleTorchLLMRL.recipes.router_r1 import (
     CallableModel,
     HFModel,
@@ -124,7 +125,7 @@ def main(argv=None) -> dict:
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="router_r1_toy_")
     config = build_config(args, output_dir)
     tokenizer = tiny_tokenizer("chatml")
-    policy = tiny_model("qwen2", tokenizer, seed=args.seed)
+    policy = disable_dropout(tiny_model("qwen2", tokenizer, seed=args.seed))
     pool = make_pool(tokenizer)
     train_rows, val_rows = make_rows(32, args.seed), make_rows(8, args.seed + 1)
     trainer = RouterR1Trainer(config, policy, tokenizer, pool, train_rows, val_rows)

@@ -27,6 +27,7 @@ import torch
 
 from SimpleTorchLLMRL.chat.message import MessageType
 from SimpleTorchLLMRL.env import ToolUseEnv, collect_rollouts, tool_stats
+from SimpleTorchLLMRL.model.dropout import disable_dropout
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.recipes.calculator import arithmetic
 from SimpleTorchLLMRL.reward import BoxedReward, CombinedReward, FormatReward
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
                               tool_call_stop=env.stop_strings, seed=args.seed)
     # 1.0 for the right number in the last \boxed{}, plus 0.1 for having a \boxed{} at all
     reward_fn = CombinedReward([(BoxedReward(), 1.0), (FormatReward(r"\\boxed\{.+?\}", mode="search"), 0.1)])
+    disable_dropout(model)  # exact on-policy ratios
     grpo = GRPO(model, tokenizer, eps=0.2, beta=0.0, temperature=args.temperature)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     problems = arithmetic.iter_problems(args.seed, split="train")

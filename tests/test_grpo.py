@@ -12,6 +12,7 @@ from losses_helpers import (
     make_rollouts,
     multi_turn_rollout,
     naive_logprobs,
+    perturbed_copy,
     trained_positions,
     with_sampled_logprobs,
 )
@@ -74,10 +75,7 @@ def test_on_policy_gradient_is_advantage_weighted_logprob_gradient(qwen2_model, 
 def test_off_policy_loss_and_gradient_match_naive(loss_type, fused, qwen2_model, chatml_tokenizer):
     """Sampled log-probs shifted by -0.3: ratios exp(0.3) ~ 1.35 so the clips bind."""
     model, tok = qwen2_model, chatml_tokenizer
-    ref_model = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in ref_model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    ref_model = perturbed_copy(model)
     rollouts = with_sampled_logprobs(make_rollouts(2, 3), model, tok, temperature=1.0, shift=0.3)
     grpo = GRPO(model, tok, beta=0.1, ref_model=ref_model, loss_type=loss_type, group_size=3, max_tokens=40,
                 fused=fused)
@@ -105,7 +103,7 @@ def test_micro_batch_accumulation_equals_full_batch(loss_type, qwen2_model, chat
     model, tok = qwen2_model, chatml_tokenizer
     rollouts = make_rollouts(2, 3)
     rollouts[4].add_messages(Message("and a longer second reply that pads the batch", MessageType.MODEL))
-    grpo = GRPO(model, tok, loss_type=loss_type, group_size=3)
+    grpo = GRPO(model, tok, loss_type=loss_type, group_size=3, max_tokens=40 if loss_type == "dr_grpo" else None)
     prepared = grpo.prepare(rollouts, REWARDS)
     full = grpo.calculate_loss(prepared)
     full.backward()
@@ -220,14 +218,15 @@ def test_groups_from_group_id_and_singleton_fallback(qwen2_model, chatml_tokeniz
 def test_temperature_like_with_like(qwen2_model, chatml_tokenizer):
     model, tok = qwen2_model, chatml_tokenizer
     rollouts = with_sampled_logprobs(make_rollouts(1, 3), model, tok, temperature=0.7)
-    with pytest.warns(UserWarning, match=r"temperature=0\.7.*temperature=1\.0"):
-        grpo = GRPO(model, tok)
+    with pytest.warns(UserWarning, match=r"temperature=0\.7.*temperature=1\.0"):  # an explicit, different one
+        grpo = GRPO(model, tok, temperature=1.0)
         grpo.calculate_loss(rollouts, [1.0, 0.0, 0.5])
     assert grpo.metrics["temperature"] == 0.7
     assert abs(grpo.metrics["ratio_min"] - 1) < 1e-4 and abs(grpo.metrics["ratio_max"] - 1) < 1e-4
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         GRPO(model, tok, temperature=0.7).calculate_loss(rollouts, [1.0, 0.0, 0.5])
+        GRPO(model, tok).calculate_loss(rollouts, [1.0, 0.0, 0.5])  # the default follows the rollouts
 
 
 def test_truncated_importance_sampling(qwen2_model, chatml_tokenizer):
@@ -311,7 +310,7 @@ def test_dapo_helpers(qwen2_model, chatml_tokenizer):
 
 def test_gpt2_without_chat_template(gpt2_model, plain_tokenizer):
     rollouts = make_rollouts(2, 2, system=False)
-    grpo = GRPO(gpt2_model, plain_tokenizer, loss_type="dr_grpo", scale_rewards=False)
+    grpo = GRPO(gpt2_model, plain_tokenizer, loss_type="dr_grpo", scale_rewards=False, max_tokens=16)
     loss = grpo.calculate_loss(rollouts, [1.0, 0.0, 0.0, 1.0])
     loss.backward()
     assert torch.isfinite(loss) and grpo.group_index(rollouts).tolist() == [0, 0, 1, 1]

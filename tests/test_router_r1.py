@@ -33,6 +33,7 @@ from SimpleTorchLLMRL.recipes.router_r1 import (
     parse_action,
 )
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
+from SimpleTorchLLMRL.utils.checkpoint import verify_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -396,9 +397,10 @@ def test_toy_example_runs(tmp_path):
     out = _run(["examples/router_r1_training.py", "--steps", "1", "--warmup-steps", "5", "--save",
                 "--output-dir", str(tmp_path)])
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "[toy] after RL" in out.stdout and "step 1:" in out.stdout
-    assert (tmp_path / "global_step_1" / "actor" / "config.json").is_file()
-    assert (tmp_path / "global_step_1" / "critic.pt").is_file()
+    assert "[toy] after RL" in out.stdout and "[router-r1] [step 1]" in out.stdout
+    checkpoint = tmp_path / "checkpoints" / "step-000001"
+    assert verify_checkpoint(checkpoint) is None and (checkpoint / "extra.pt").is_file()  # critic and its optimizer
+    assert (tmp_path / "final" / "config.json").is_file()
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import torch
 from SimpleTorchLLMRL.chat.message import MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import as_sampled, encode_prompt, encode_rollout
 from SimpleTorchLLMRL.recipes.calculator import arithmetic as A
+from SimpleTorchLLMRL.tools.calculator import CalculatorError, evaluate, format_number
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSET = ROOT / "SimpleTorchLLMRL" / "assets" / "tiny_calc"
@@ -86,7 +87,17 @@ def test_safe_eval_matches_python_arithmetic():
 def test_safe_eval_rejects_everything_else(expr):
     with pytest.raises(ValueError):
         A.safe_eval(expr)
-    assert A.run_calculator(expr).startswith("Error:")
+
+
+@pytest.mark.parametrize("expr", ["__import__('os')", "2 ** 8", "7 / 2", "a + 1", "", "1 +", "(1)" * 100,
+                                  "47 * 23", "(-3) * (4 - 9)"])
+def test_run_calculator_answers_as_the_calculator_tool_does(expr):
+    """Warm-up solutions show the same TOOL text that the calculator tool gives during RL."""
+    try:
+        want = format_number(evaluate(expr))
+    except CalculatorError as e:
+        want = f"Error: {e}"
+    assert A.run_calculator(expr) == want
 
 
 @pytest.mark.parametrize("text,answer,ok", [

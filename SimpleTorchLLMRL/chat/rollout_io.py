@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from SimpleTorchLLMRL.chat.message import (  # noqa: F401 (the record functions:
     rollout_from_dict,
     rollout_to_dict,
 )
+from SimpleTorchLLMRL.utils.jsonl import jsonl_records
 
 # ---------------------------------------------------------------------- files
 
@@ -51,6 +51,7 @@ def save_rollouts(path, rollouts: Iterable[Rollout], skip_metadata: Iterable[str
     """Write rollouts to .jsonl (one per line) or .parquet (one row per rollout), atomically."""
     path = Path(path)
     records = [rollout_to_dict(r, skip_metadata) for r in rollouts]
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     if _kind(path) == "jsonl":
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
@@ -65,25 +66,12 @@ def load_rollouts(path) -> list[Rollout]:
     path = Path(path)
     if _kind(path) == "parquet":
         return [rollout_from_dict(r) for r in _read_parquet(path)]
-    lines = path.read_text(encoding="utf-8").split("\n")
-    ends_clean = lines[-1] == ""
-    lines = lines[:-1] if ends_clean else lines
     out = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            if i == len(lines) - 1 and not ends_clean:
-                warnings.warn(f"{path}: the last line is torn (a writer was stopped mid-line); skipped it",
-                              UserWarning, stacklevel=2)
-                break
-            raise ValueError(f"{path}: line {i + 1} is not a rollout record ({e})") from e
+    for n, record in jsonl_records(path.read_text(encoding="utf-8"), str(path)):
         try:
             out.append(rollout_from_dict(record))
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}: line {i + 1}: {e}") from e
+            raise ValueError(f"{path}: line {n}: {e}") from e
     return out
 
 
@@ -95,6 +83,7 @@ class RolloutWriter:
         if _kind(self.path) != "jsonl":
             raise ValueError(f"{self.path}: RolloutWriter appends to .jsonl files only")
         self.skip_metadata = tuple(skip_metadata)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
 
     def write(self, rollouts: Iterable[Rollout]) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from SimpleTorchLLMRL.model.logprobs import check_vocabulary
 from SimpleTorchLLMRL.model.sampling import Sample, SamplingConfig, cut_sample, find_stop, stop_window
 
 
@@ -176,6 +177,7 @@ class HFBackend:
     def __init__(self, model, tokenizer, cfg: SamplingConfig, batch_size: int | None = None):
         if not hasattr(model, "generate"):
             raise TypeError(f"the HF backend needs a model with .generate(), got {type(model).__name__}")
+        check_vocabulary(model, tokenizer)
         self.model, self.tokenizer, self.cfg, self.batch_size = model, tokenizer, cfg, batch_size
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad is None:

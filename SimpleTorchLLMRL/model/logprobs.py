@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from SimpleTorchLLMRL.utils.warn import warn_user
+
 DEFAULT_CHUNK_SIZE = 512
 SCRATCH_BYTES = 16 * 2**20  # row blocks for the softmax sums inside a chunk stay under glibc's mmap threshold
 _VERIFIED: weakref.WeakSet = weakref.WeakSet()  # models whose head was checked once
@@ -61,6 +63,36 @@ def output_head(model) -> nn.Module:
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embedding (get_output_embeddings() is None)")
     return head
+
+
+def model_vocab_size(model) -> int | None:
+    """Rows of the output head (the ids the model can score), None when the model has no readable head."""
+    try:
+        head = output_head(model)
+    except (AttributeError, ValueError):
+        return None
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if weight is not None and weight.dim() == 2 else None
+
+
+def check_vocabulary(model, tokenizer) -> None:
+    """A tokenizer with more ids than the model scores is an error; a much smaller one is a warning.
+
+    Models often pad their embedding past the tokenizer (Qwen2.5: 151,936 rows for 151,665
+    tokens), so a small surplus is normal; a surplus of more than max(2048, 5%) usually means
+    the tokenizer belongs to another model, whose ids mean other words to this one.
+    """
+    n_model, n_tok = model_vocab_size(model), len(tokenizer) if hasattr(tokenizer, "__len__") else None
+    if n_model is None or n_tok is None:
+        return
+    if n_tok > n_model:
+        raise ValueError(f"the tokenizer has {n_tok} tokens but the model scores only {n_model}: ids >= {n_model} "
+                         "would index past its embedding. Use the model's own tokenizer, or after adding "
+                         "tokens call model.resize_token_embeddings(len(tokenizer)).")
+    if n_model - n_tok > max(2048, n_tok // 20):
+        warn_user(f"the model scores {n_model} token ids but the tokenizer has only {n_tok}: is it the model's own "
+                  "tokenizer? A tokenizer of another model maps its ids to other words (this is a warning only "
+                  "because some models pad their embedding generously).")
 
 
 def logit_softcap(model) -> float | None:

@@ -22,12 +22,12 @@ from torch import nn
 
 
 def is_peft_model(model: nn.Module) -> bool:
-    """True for a `peft.PeftModel` (also when wrapped by FSDP2, which keeps the class)."""
-    try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover - peft is a core dependency
-        return False
-    return isinstance(model, PeftModel)
+    """True for a `peft.PeftModel`, also wrapped (FSDP2 keeps the class; DeepSpeed forwards attributes).
+
+    Told by what the library uses (`peft_config` and the `disable_adapter()` context that gives
+    the reference policy), so it needs no peft import.
+    """
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 
 
 def is_quantized(model: nn.Module) -> bool:

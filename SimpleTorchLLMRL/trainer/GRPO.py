@@ -17,7 +17,6 @@ Several epochs / micro-batches over the same rollouts:
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, fields
 
 import torch
@@ -41,15 +40,16 @@ from SimpleTorchLLMRL.trainer.losses import (
     Clip,
     aggregation_weights,
     default_normalizer,
-    truncated_is_weight,
 )
 from SimpleTorchLLMRL.trainer.rollout_batch import (
     RolloutTrainer,
     TrainBatch,
     check_rewards,
+    old_and_tis,
     staleness_metrics,
     trained_mask,
 )
+from SimpleTorchLLMRL.utils.warn import warn_user
 
 __all__ = ["GRPO", "GRPOConfig", "TrainBatch"]
 
@@ -67,9 +67,14 @@ class GRPOConfig:
     group_size: consecutive blocks of G; None: metadata["group_id"], else identical prompts.
     scale_rewards: True/"group", "batch", False/"none" (Dr. GRPO uses False).
     advantage_estimator: "group" (GRPO), "rloo" or "reinforce++".
-    temperature: used when the rollouts record none (the recorded one wins, with a warning).
+    temperature: None (default) follows the temperature the rollouts were sampled at (1.0 when none is
+    recorded); a number is used when the rollouts record none (the recorded one wins, with a warning).
     tis_cap: truncated importance sampling cap (e.g. 2.0) against the sampled log-probs; None: off.
-    max_tokens: Dr. GRPO's per-sequence constant (default: the batch's longest trained span).
+    max_tokens: Dr. GRPO's per-sequence constant, required for loss_type="dr_grpo": the generation budget
+    (the generator's max_new_tokens; times the model turns for multi-turn episodes), as in the paper and
+    TRL's max_completion_length. A batch-dependent constant would rescale the loss from batch to batch.
+    kl_bias_correction: multiply the per-token KL by the importance ratio pi/pi_old (DeepSeek-V3.2; TRL's
+    use_bias_correction_kl), which makes the k3 estimate unbiased for off-policy tokens.
     dual_clip: c > 1 caps the loss of negative advantages at -c A (None: off).
     fused: compute token-level losses with `fused_token_loss` when the head allows (same values and
     gradients, one matmul fewer); False always uses chunked log-probs + autograd.
@@ -82,12 +87,13 @@ class GRPOConfig:
     importance_sampling_level: str = "token"
     group_size: int | None = None
     scale_rewards: bool | str = True
-    temperature: float = 1.0
+    temperature: float | None = None
     advantage_estimator: str = "group"
     kl_estimator: str = "k3"
     tis_cap: float | None = None
     max_tokens: int | None = None
     dual_clip: float | None = None
+    kl_bias_correction: bool = False
     reward_eps: float = 1e-4
     chunk_size: int = DEFAULT_CHUNK_SIZE
     max_length: int | None = None
@@ -109,7 +115,7 @@ class GRPOConfig:
         if self.scale_rewards not in (True, False, "group", "batch", "none"):
             bad("scale_rewards", "True, False, 'group', 'batch' or 'none'")
         for name, ok, allowed in [
-            ("beta", self.beta >= 0, ">= 0"), ("temperature", self.temperature > 0, "> 0"),
+            ("beta", self.beta >= 0, ">= 0"), ("temperature", self.temperature is None or self.temperature > 0, "None or > 0"),
             ("group_size", self.group_size is None or self.group_size >= 1, "None or an int >= 1"),
             ("tis_cap", self.tis_cap is None or self.tis_cap > 0, "None or > 0"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "None or an int >= 1"),
@@ -117,6 +123,10 @@ class GRPOConfig:
         ]:
             if not ok:
                 bad(name, allowed)
+        if self.loss_type == "dr_grpo" and self.max_tokens is None:
+            raise ValueError("GRPO loss_type='dr_grpo' needs max_tokens=: its fixed per-sequence constant, the "
+                             "generation budget (your generator's max_new_tokens, times the model turns for "
+                             "multi-turn episodes)")
         spec = LOSS_TYPES[self.loss_type]
         if self.eps_high is None:
             self.eps_high = spec.default_eps_high if spec.default_eps_high is not None else self.eps
@@ -131,6 +141,19 @@ class GRPOConfig:
         return self.spec.ratio_level or self.importance_sampling_level
 
 
+@dataclass
+class TokenInputs:
+    """The per-token constants of GRPO's loss, each (N,) over the batch's N trained tokens."""
+
+    advantages: torch.Tensor  # the rollout's advantage, repeated on each of its tokens
+    trainer_old: torch.Tensor  # old log-probs recomputed by the trainer (NaN: not computed, on-policy)
+    sampled: torch.Tensor  # the generator's log-probs (NaN where unknown)
+    ref: torch.Tensor | None  # reference log-probs (None when beta == 0)
+    weight: torch.Tensor  # the aggregator's weight of each token (normalizer included)
+    row: torch.Tensor  # long: the rollout each token belongs to
+    rows: int  # B
+
+
 class GRPO(RolloutTrainer):
     """Group-relative policy optimization over `Rollout`s; `calculate_loss` returns a scalar tensor."""
 
@@ -138,7 +161,7 @@ class GRPO(RolloutTrainer):
 
     def __init__(self, model, tokenizer, eps: float = 0.2, eps_high: float | None = None, beta: float = 0.0,
                  ref_model=None, loss_type: str = "grpo", importance_sampling_level: str = "token",
-                 group_size: int | None = None, scale_rewards: bool | str = True, temperature: float = 1.0,
+                 group_size: int | None = None, scale_rewards: bool | str = True, temperature: float | None = None,
                  **options):
         allowed = {f.name for f in fields(GRPOConfig)}
         unknown = sorted(set(options) - allowed)
@@ -167,9 +190,8 @@ class GRPO(RolloutTrainer):
         """(B,) advantages of the configured estimator; singletons are pooled into one group (one warning)."""
         lonely = int((A.group_sizes(group) == 1).sum())
         if lonely:
-            warnings.warn(f"GRPO: {lonely} of {len(group)} rollouts are alone in their group (no group_size, "
-                          "group_id or shared prompt); they use the batch-wide reward baseline", UserWarning,
-                          stacklevel=3)
+            warn_user(f"GRPO: {lonely} of {len(group)} rollouts are alone in their group (no group_size, "
+                      "group_id or shared prompt); they use the batch-wide reward baseline")
             single = A.group_sizes(group) == 1  # pool the singletons into one group (the whole batch if all)
             group = A.groups_from_keys([-1 if s else int(g) for g, s in zip(group.tolist(), single.tolist(), strict=True)])
         est = self.config.advantage_estimator
@@ -231,6 +253,7 @@ class GRPO(RolloutTrainer):
         for grpo/gspo, trained tokens for dapo/bnpo/cispo, sequences x max_tokens for
         dr_grpo; `normalizer_for(rollouts)` computes it."""
         cfg, mask, batch = self.config, tb.mask, tb.batch
+        self.check_dropout()
         norm = normalizer if normalizer is not None else tb.normalizer
         hidden = final_hidden_states(self.model, batch.input_ids, batch.attention_mask)  # (B, T, H)
         select = mask[:, 1:].bool()  # (B, T-1): token t+1 is trained, predicted from position t
@@ -251,45 +274,43 @@ class GRPO(RolloutTrainer):
         self.token_logprobs = full  # the recomputed log-prob of each trained token, for `logprob_drift`
         return loss
 
-    def _token_inputs(self, tb: TrainBatch, select: torch.Tensor, normalizer: float) -> dict:
-        """Constants of the per-token loss, each (N,) over the trained tokens. NaN old = the current policy."""
-        cfg, mask = self.config, tb.mask
-        pick = lambda t: t[:, 1:][select]  # noqa: E731
+    def _token_inputs(self, tb: TrainBatch, select: torch.Tensor, normalizer: float) -> TokenInputs:
+        """Constants of the per-token loss over the trained tokens. NaN trainer_old = the current policy."""
+        mask = tb.mask
+        pick = lambda t: t[:, 1:][select]  # noqa: E731  (B, T) -> (N,)
         nan = torch.full(mask.shape, torch.nan, device=mask.device)
-        stored = pick(tb.old_logprobs) if tb.old_logprobs is not None else pick(nan)
-        sampled = pick(tb.batch.old_logprobs) if tb.batch.old_logprobs is not None else pick(nan)
         B = mask.shape[0]
-        return {
-            "adv": pick(tb.advantages[:, None].expand_as(mask).float()),
-            # without TIS the generator's log-probs are the old policy where known; with TIS they only reweight
-            "old": stored if cfg.tis_cap is not None else torch.where(torch.isnan(sampled), stored, sampled),
-            "sampled": sampled,
-            "ref": pick(tb.ref_logprobs) if tb.ref_logprobs is not None else None,
-            "weight": pick(aggregation_weights(cfg.spec.aggregate, mask, normalizer)),
-            "row": pick(torch.arange(B, device=mask.device)[:, None].expand_as(mask)),
-            "rows": B,
-        }
+        return TokenInputs(
+            advantages=pick(tb.advantages[:, None].expand_as(mask).float()),
+            trainer_old=pick(tb.old_logprobs if tb.old_logprobs is not None else nan),
+            sampled=pick(tb.batch.old_logprobs if tb.batch.old_logprobs is not None else nan),
+            ref=pick(tb.ref_logprobs) if tb.ref_logprobs is not None else None,
+            weight=pick(aggregation_weights(self.config.spec.aggregate, mask, normalizer)),
+            row=pick(torch.arange(B, device=mask.device)[:, None].expand_as(mask)),
+            rows=B,
+        )
 
-    def _token_terms(self, x: dict, lp: torch.Tensor, sl: slice):
+    def _token_terms(self, x: TokenInputs, lp: torch.Tensor, sl: slice):
         """(weighted per-token loss (n,), stats) for the trained tokens `sl`, from their log-probs lp (n,)."""
         cfg = self.config
-        old = x["old"][sl]
-        old = torch.where(torch.isnan(old), lp.detach(), old)
+        trainer_old = torch.where(torch.isnan(x.trainer_old[sl]), lp.detach(), x.trainer_old[sl])
+        old, tis = old_and_tis(trainer_old, x.sampled[sl], None, cfg.tis_cap)  # as PPO decides it
         if cfg.ratio_level == "sequence":  # GSPO: one length-normalized ratio per rollout (needs every token)
-            row, n = x["row"], x["rows"]
+            row, n = x.row, x.rows
             count = torch.zeros(n, device=lp.device).index_add_(0, row, torch.ones_like(lp))
             log_ratio = (torch.zeros(n, device=lp.device).index_add(0, row, lp - old) / count.clamp(min=1))[row]
         else:
             log_ratio = lp - old
-        loss, stats = cfg.spec.policy_loss(log_ratio, lp, x["adv"][sl], cfg.clip)
+        loss, stats = cfg.spec.policy_loss(log_ratio, lp, x.advantages[sl], cfg.clip)
         stats["log_ratio"] = log_ratio
-        if cfg.tis_cap is not None:
-            stats["tis"] = truncated_is_weight(old, x["sampled"][sl], cfg.tis_cap)
-            loss = loss * stats["tis"]
+        if tis is not None:
+            stats["tis"] = tis
+            loss = loss * tis
         if cfg.beta > 0:
-            stats["kl"] = KL_ESTIMATORS[cfg.kl_estimator](lp, x["ref"][sl])
-            loss = loss + cfg.beta * stats["kl"]
-        return loss * x["weight"][sl], stats
+            stats["kl"] = KL_ESTIMATORS[cfg.kl_estimator](lp, x.ref[sl])
+            kl = stats["kl"] * torch.exp(log_ratio) if cfg.kl_bias_correction else stats["kl"]
+            loss = loss + cfg.beta * kl
+        return loss * x.weight[sl], stats
 
     @torch.no_grad()
     def _metrics(self, tb, loss, x, logp, entropy) -> dict[str, float]:

@@ -16,7 +16,7 @@ for GRPO for several epochs / micro-batches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -44,6 +44,9 @@ class PPOConfig:
     gamma, lam: GAE. cliprange_value: value clip around the old values (None: off).
     beta: per-token KL penalty in the reward (kl_estimator, default k1); 0 skips the reference.
     whiten_advantages: normalize advantages over the batch's trained tokens.
+    temperature: None follows the rollouts' sampling temperature (see GRPOConfig).
+    tis_cap: truncated importance sampling cap against the sampled log-probs (None: off).
+    chunk_size: vocabulary chunk of the log-prob computation. max_length / truncate: as encode_rollout.
     """
 
     eps: float = 0.2
@@ -56,7 +59,7 @@ class PPOConfig:
     beta: float = 0.0
     kl_estimator: str = "k1"
     whiten_advantages: bool = True
-    temperature: float = 1.0
+    temperature: float | None = None
     tis_cap: float | None = None
     chunk_size: int = DEFAULT_CHUNK_SIZE
     max_length: int | None = None
@@ -68,7 +71,7 @@ class PPOConfig:
             ("lam", 0 <= self.lam <= 1, "in [0, 1]"), ("beta", self.beta >= 0, ">= 0"),
             ("cliprange_value", self.cliprange_value is None or self.cliprange_value > 0, "None or > 0"),
             ("kl_estimator", self.kl_estimator in KL_ESTIMATORS, f"one of {sorted(KL_ESTIMATORS)}"),
-            ("temperature", self.temperature > 0, "> 0"), ("chunk_size", self.chunk_size >= 1, "an int >= 1"),
+            ("temperature", self.temperature is None or self.temperature > 0, "None or > 0"), ("chunk_size", self.chunk_size >= 1, "an int >= 1"),
             ("tis_cap", self.tis_cap is None or self.tis_cap > 0, "None or > 0"),
         ]
         for name, ok, allowed in checks:
@@ -90,13 +93,19 @@ class PPO(RolloutTrainer):
 
     name = "PPO"
 
-    def __init__(self, model, tokenizer, value_head: nn.Module | None = None, critic=None, ref_model=None,
-                 **options):
-        allowed = {f.name for f in fields(PPOConfig)}
-        unknown = sorted(set(options) - allowed)
-        if unknown:
-            raise ValueError(f"PPO got unknown options {unknown}; allowed: {sorted(allowed)}")
-        super().__init__(model, tokenizer, PPOConfig(**options), ref_model)
+    def __init__(self, model, tokenizer, value_head: nn.Module | None = None, critic=None, ref_model=None, *,
+                 eps: float = 0.2, eps_high: float | None = None, dual_clip: float | None = None,
+                 vf_coef: float = 0.1, gamma: float = 1.0, lam: float = 0.95, cliprange_value: float | None = 0.2,
+                 beta: float = 0.0, kl_estimator: str = "k1", whiten_advantages: bool = True,
+                 temperature: float | None = None, tis_cap: float | None = None,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, max_length: int | None = None, truncate: bool = False):
+        """The options are PPOConfig's (see its docstring); value_head: a module (H -> 1), default a new
+        Linear on the policy's (or the critic's) hidden size; critic: a separate model for the values."""
+        config = PPOConfig(eps=eps, eps_high=eps_high, dual_clip=dual_clip, vf_coef=vf_coef, gamma=gamma, lam=lam,
+                           cliprange_value=cliprange_value, beta=beta, kl_estimator=kl_estimator,
+                           whiten_advantages=whiten_advantages, temperature=temperature, tis_cap=tis_cap,
+                           chunk_size=chunk_size, max_length=max_length, truncate=truncate)
+        super().__init__(model, tokenizer, config, ref_model)
         self.critic = critic
         if value_head is None:
             value_head = nn.Linear(hidden_size(critic if critic is not None else model), 1)
@@ -163,6 +172,7 @@ class PPO(RolloutTrainer):
     def loss(self, tb: TrainBatch, normalizer: float | None = None) -> torch.Tensor:
         """policy loss + vf_coef * value loss (token-mean); normalizer: the FULL batch's trained tokens."""
         cfg, mask = self.config, tb.mask
+        self.check_dropout()
         logp, ent, values = self._forward(tb.batch, mask, tb.temperature)
         trainer_old = tb.old_logprobs if tb.old_logprobs is not None else logp.detach()
         old, tis = old_and_tis(trainer_old, tb.batch.old_logprobs, mask, cfg.tis_cap)
@@ -179,13 +189,18 @@ class PPO(RolloutTrainer):
         with torch.no_grad():
             m = mask.bool()
             mean = lambda x: x[m].float().mean().item()  # noqa: E731
+            ratio = torch.exp(logp - old)[m]
             self.metrics = dict(tb.metrics, loss=loss.item(), policy_loss=policy_loss.item(),
                                 value_loss=vf_loss.item(), entropy=mean(ent), value_mean=mean(values),
                                 return_mean=mean(returns), advantage_mean=mean(adv),
                                 clip_frac_low=mean(clip_stats["clipped_low"]),
                                 clip_frac_high=mean(clip_stats["clipped_high"]),
-                                ratio_mean=mean(torch.exp(logp - old)), num_tokens=int(m.sum()),
+                                ratio_mean=ratio.mean().item(), ratio_min=ratio.min().item(),
+                                ratio_max=ratio.max().item(), num_tokens=int(m.sum()),
                                 num_sequences=len(tb), temperature=tb.temperature)
+            self.metrics["clip_frac"] = self.metrics["clip_frac_low"] + self.metrics["clip_frac_high"]
+            if tis is not None:
+                self.metrics["tis_weight_mean"] = mean(tis)
             if tb.ref_logprobs is not None:
                 self.metrics["kl"] = mean(KL_ESTIMATORS[cfg.kl_estimator](logp, tb.ref_logprobs))
             self.token_logprobs = torch.where(m, logp.detach().float(), torch.nan)  # (B, T), for `logprob_drift`

@@ -7,15 +7,17 @@ that keep the full batch's normalizer.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from SimpleTorchLLMRL.chat.message import Rollout, sampled_versions
 from SimpleTorchLLMRL.chat.tokenize import Batch, rollouts_to_batch
-from SimpleTorchLLMRL.model.logprobs import token_logprobs
+from SimpleTorchLLMRL.model.dropout import active_dropout
+from SimpleTorchLLMRL.model.logprobs import check_vocabulary, token_logprobs
+from SimpleTorchLLMRL.model.lora import is_peft_model
 from SimpleTorchLLMRL.trainer.losses import truncated_is_weight
+from SimpleTorchLLMRL.utils.warn import warn_user
 
 
 def check_rewards(rewards, num_rollouts: int) -> torch.Tensor:
@@ -52,24 +54,21 @@ def staleness_metrics(rollouts: list[Rollout], current: int | None) -> dict[str,
     return {"staleness_mean": sum(behind) / len(behind), "staleness_max": float(max(behind))}
 
 
-def is_peft_model(model) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
-
-
 def model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def old_and_tis(trainer_old: torch.Tensor, sampled: torch.Tensor | None, mask: torch.Tensor,
+def old_and_tis(trainer_old: torch.Tensor, sampled: torch.Tensor | None, mask: torch.Tensor | None,
                 tis_cap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Old log-probs for the ratio, and the TIS weight (None without tis_cap), both (B, T).
+    """Old log-probs for the ratio, and the TIS weight (None without tis_cap), both shaped as `trainer_old`.
 
-    Without TIS the generator's sampled log-probs are the old policy where known
-    (trainer's recomputed ones elsewhere). With TIS the ratio uses the trainer's
-    recomputed log-probs and min(pi_trainer / pi_sampler, cap) reweights each token.
-    Untrained positions get finite values so nothing NaN reaches the graph.
+    The one place GRPO and PPO decide what "old" means. Without TIS the generator's sampled
+    log-probs are the old policy where known (the trainer's recomputed ones elsewhere). With
+    TIS the ratio uses the trainer's recomputed log-probs and min(pi_trainer / pi_sampler, cap)
+    reweights each token. Positions outside `mask` (None: every position is trained) get finite
+    values so nothing NaN reaches the graph. Works on (B, T) and on (N,) trained tokens alike.
     """
-    m = mask.bool()
+    m = torch.ones_like(trainer_old, dtype=torch.bool) if mask is None else mask.bool()
     if sampled is None:
         return torch.where(m, trainer_old, 0.0), None
     known = m & ~torch.isnan(sampled)
@@ -134,11 +133,17 @@ class RolloutTrainer:
     name = "trainer"
 
     def __init__(self, model, tokenizer, config, ref_model=None):
+        if ref_model is not None and ref_model is model:
+            raise ValueError(f"{self.name}: ref_model is the policy itself, so the KL to it is always 0. Pass a frozen "
+                             "copy (copy.deepcopy(model).eval()) or, for a peft model, no ref_model (the adapter is "
+                             "disabled for the reference)")
+        check_vocabulary(model, tokenizer)
         self.model, self.tokenizer, self.config, self.ref_model = model, tokenizer, config, ref_model
         if config.beta > 0 and ref_model is None and not is_peft_model(model):
             raise ValueError(f"{self.name}: beta={config.beta} > 0 needs a reference: pass ref_model= "
                              "(e.g. copy.deepcopy(model).eval()) or use a peft model (its adapter is disabled)")
         self.metrics: dict[str, float] = {}
+        self._dropout_checked = False
         self.policy_version: int | None = None  # the trainer's current version: staleness metrics when set
         self.token_logprobs: torch.Tensor | None = None  # (B, T) of the last loss call, NaN where not trained
 
@@ -158,6 +163,17 @@ class RolloutTrainer:
             tb = self.prepare(rollouts, rewards, compute_old=False)
         return self.loss(tb, normalizer)
 
+    def check_dropout(self) -> None:
+        """Warn once per model when it trains with dropout on (ratios are then not exactly 1 on-policy)."""
+        if not self.model.training or self._dropout_checked:
+            return
+        self._dropout_checked = True
+        active = active_dropout(self.model)
+        if active:
+            warn_user(f"{self.name}: the model trains with dropout on ({len(active)} modules, e.g. {active[0]}): "
+                      "log-probs then come from a random sub-network, on-policy ratios are not 1 and clipping "
+                      "bites where it should not. Call SimpleTorchLLMRL.model.dropout.disable_dropout(model) first.")
+
     def encode(self, rollouts: list[Rollout]) -> Batch:
         if not rollouts:
             raise ValueError(f"{self.name}: no rollouts given")
@@ -165,16 +181,19 @@ class RolloutTrainer:
         return batch.to(model_device(self.model))
 
     def resolve_temperature(self, batch: Batch) -> float:
-        """The sampling temperature recorded with the log-probs wins; a different configured one is reported."""
+        """The sampling temperature recorded with the log-probs wins (none recorded: the configured one, else 1).
+
+        temperature=None (the default) takes the recorded one silently; a configured one that
+        differs from the recorded one is reported, and the recorded one is used.
+        """
         t, s = self.config.temperature, batch.sampling_temperature
         if s is None:
-            return t
-        if abs(s - t) > 1e-6:
-            warnings.warn(
+            return 1.0 if t is None else t
+        if t is not None and abs(s - t) > 1e-6:
+            warn_user(
                 f"{self.name}: the rollouts were sampled at temperature={s} but the trainer is configured with "
                 f"temperature={t}. Log-probs are recomputed at the sampling temperature {s} so the importance "
-                f"ratio compares like with like; pass temperature={s} to the trainer to silence this.",
-                UserWarning, stacklevel=3)
+                f"ratio compares like with like; pass temperature={s} (or None: follow the rollouts) to silence this.")
         return float(s)
 
     def logprobs(self, model, batch: Batch, mask: torch.Tensor, temperature: float, entropy: bool = False):

@@ -5,10 +5,14 @@ A checkpoint directory `step-000123/` holds:
     optimizer.pt        optimizer (and scheduler) state
     rng.pt              Python, NumPy and torch RNG states
     state.json          step, data position and anything the caller adds
+    extra.pt            more state the caller adds (a critic, a second optimizer), when given
     MANIFEST.json       size and sha256 of every file above, written last
 
 `latest_checkpoint` returns the newest directory whose manifest verifies; a
 corrupt or partial one is skipped with a warning, never loaded.
+
+`save_pretrained_atomic` writes a `save_pretrained` directory (model or adapter,
+and the tokenizer) the same way: complete under its name, or not there at all.
 """
 
 from __future__ import annotations
@@ -18,13 +22,15 @@ import json
 import os
 import random
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from SimpleTorchLLMRL.model.lora import is_peft_model
+from SimpleTorchLLMRL.utils.warn import warn_user
 
 PREFIX = "step-"
 MANIFEST = "MANIFEST.json"
@@ -38,12 +44,8 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _is_peft(model) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
-
-
 def _model_state(model) -> dict[str, torch.Tensor]:
-    if _is_peft(model):
+    if is_peft_model(model):
         from peft import get_peft_model_state_dict
 
         state = get_peft_model_state_dict(model)
@@ -54,7 +56,7 @@ def _model_state(model) -> dict[str, torch.Tensor]:
 
 
 def _load_model_state(model, state: dict[str, torch.Tensor]) -> None:
-    if _is_peft(model):
+    if is_peft_model(model):
         from peft import set_peft_model_state_dict
 
         set_peft_model_state_dict(model, state)
@@ -85,8 +87,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(directory: str | os.PathLike, step: int, model, optimizer=None, scheduler=None,
-                    state: dict[str, Any] | None = None, keep_last: int | None = 2) -> Path:
-    """Write `directory/step-{step:06d}` atomically; returns its path."""
+                    state: dict[str, Any] | None = None, keep_last: int | None = 2,
+                    extra: dict[str, Any] | None = None) -> Path:
+    """Write `directory/step-{step:06d}` atomically; returns its path.
+
+    state: JSON-ready values for state.json; extra: anything `torch.save` holds (state dicts of a
+    critic or a second optimizer), given back by `load_checkpoint(...)["extra"]`.
+    """
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:06d}"
@@ -99,19 +106,51 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model, optimizer=No
                 "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "optimizer.pt")
     torch.save(rng_state(), tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **(state or {})}, indent=1))
+    if extra is not None:
+        torch.save(extra, tmp / "extra.pt")
     files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
-    for p in tmp.iterdir():  # make the bytes durable before the rename publishes them
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
+    _publish(tmp, final)
     if keep_last:
         for old in _candidates(root)[keep_last:]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Make every file under `tmp` durable, then rename it to `final` (replacing an older one)."""
+    for p in tmp.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    if final.exists():
+        old = final.with_name(f".old-{final.name}-{os.getpid()}")
+        os.replace(final, old)  # the old one stays whole until the new one is in place
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def save_pretrained_atomic(model, tokenizer, path: str | os.PathLike) -> str:
+    """`save_pretrained` of the adapter (peft) or the full model, plus the tokenizer, written atomically.
+
+    Returns "adapter" or "full". A kill mid-write leaves the previous `path` (or none), never a
+    half-written one.
+    """
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _publish(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # only left when something above failed
+    return "adapter" if is_peft_model(model) else "full"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -138,16 +177,35 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
     if not manifest.exists():
         return "no manifest (partial write)"
     try:
-        files = json.loads(manifest.read_text())["files"]
-    except (json.JSONDecodeError, KeyError) as e:
-        return f"unreadable manifest ({e})"
-    for name, meta in files.items():
+        files = json.loads(manifest.read_bytes().decode("utf-8"))["files"]
+        entries = [(name, int(meta["bytes"]), str(meta["sha256"])) for name, meta in files.items()]
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as e:
+        # not UTF-8, not JSON, or not {"files": {name: {"bytes": n, "sha256": hex}}} (e.g. `[]`)
+        return f"unreadable manifest ({type(e).__name__}: {e})"
+    if not entries or "state.json" not in files:
+        return "unreadable manifest (it lists no state.json)"
+    for name, size, digest in entries:
         p = path / name
-        if not p.exists():
+        if Path(name).name != name or not p.is_file():
             return f"missing {name}"
-        if p.stat().st_size != meta["bytes"] or _sha256(p) != meta["sha256"]:
+        if p.stat().st_size != size or _sha256(p) != digest:
             return f"{name} does not match its manifest"
     return None
+
+
+def checkpoint_dirs(directory: str | os.PathLike) -> list[Path]:
+    """Every `step-*` directory under `directory`, newest first, complete or not."""
+    root = Path(directory)
+    return _candidates(root) if root.is_dir() else []
+
+
+def read_checkpoint_state(path: str | os.PathLike) -> dict[str, Any]:
+    """state.json of a verified checkpoint, without loading any weights (to compare a run's settings first)."""
+    path = Path(path)
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise ValueError(f"checkpoint {path} is not usable: {problem}")
+    return json.loads((path / "state.json").read_text(encoding="utf-8"))
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -159,7 +217,7 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
         problem = verify_checkpoint(candidate)
         if problem is None:
             return candidate
-        warnings.warn(f"skipping checkpoint {candidate}: {problem}", stacklevel=2)
+        warn_user(f"skipping checkpoint {candidate}: {problem}")
     return None
 
 
@@ -178,4 +236,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None, scheduler=No
         scheduler.load_state_dict(opt["scheduler"])
     if restore_rng:
         set_rng_state(torch.load(path / "rng.pt", weights_only=False))
-    return json.loads((path / "state.json").read_text())
+    state = json.loads((path / "state.json").read_text())
+    if (path / "extra.pt").exists():
+        state["extra"] = torch.load(path / "extra.pt", weights_only=False)
+    return state

@@ -1,8 +1,9 @@
-"""Metrics logging to the console, a jsonl file and (optionally) Weights & Biases.
+"""Metrics logging to the console, a jsonl file and (optionally) Weights & Biases; the one JSONL reader.
 
     logger = MetricsLogger(output_dir, use_wandb=False, config=vars(args))
     logger.log(step, {"reward/mean": 0.4, "loss": 0.1})
     logger.close()
+    rows = read_metrics(output_dir / "metrics.jsonl")
 
 wandb is imported only when asked for; without a login it runs offline, so a
 run never blocks on the network.
@@ -13,9 +14,11 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from SimpleTorchLLMRL.utils.jsonl import read_jsonl
 
 
 def _plain(value: Any) -> Any:
@@ -39,8 +42,19 @@ class MetricsLogger:
 
     def __init__(self, output_dir: str | os.PathLike | None = None, *, use_wandb: bool = False,
                  project: str = "SimpleTorchLLMRL", run_name: str | None = None,
-                 config: Mapping[str, Any] | None = None, console: bool = True, append: bool = False):
+                 config: Mapping[str, Any] | None = None, console: bool = True, append: bool = False,
+                 console_keys: Iterable[str] | None = None, console_prefix: str = "",
+                 print_fn: Callable[[str], None] | None = None, wandb_mode: str | None = None,
+                 run_id: str | None = None):
+        """console_keys: show only metrics whose last "/" part is one of these (None: all);
+        print_fn: where console lines go (default: tqdm.write); wandb_mode: "online", "offline"
+        or "disabled" (default: $WANDB_MODE, else online with a login and offline without);
+        run_id: the W&B run to continue (`wandb.init(id=run_id, resume="allow")`), e.g. the
+        `wandb_run_id` of the logger of the run being resumed."""
         self.console = console
+        self.console_keys = None if console_keys is None else frozenset(console_keys)
+        self.console_prefix, self.print_fn = console_prefix, print_fn or _write_console
+        self.history: list[dict[str, Any]] = []
         self._file = None
         if output_dir is not None:
             path = Path(output_dir) / "metrics.jsonl"
@@ -52,18 +66,26 @@ class MetricsLogger:
                 import wandb
             except ImportError as e:  # pragma: no cover - wandb is a runtime dependency
                 raise ImportError("wandb logging needs the wandb package: uv sync") from e
-            mode = os.environ.get("WANDB_MODE") or ("online" if _has_wandb_login() else "offline")
+            mode = wandb_mode or os.environ.get("WANDB_MODE") or ("online" if _has_wandb_login() else "offline")
+            same_run = {"id": run_id, "resume": "allow"} if run_id else {}
             self._wandb_run = wandb.init(project=project, name=run_name, config=dict(config or {}), mode=mode,
-                                         dir=str(output_dir) if output_dir else None)
+                                         dir=str(output_dir) if output_dir else None, **same_run)
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        """The W&B run's id (store it to resume the same run), None without W&B."""
+        return getattr(self._wandb_run, "id", None)
 
     def log(self, step: int, metrics: Mapping[str, Any], *, prefix: str = "") -> dict[str, Any]:
         row = {f"{prefix}{k}": _plain(v) for k, v in metrics.items()}
         if self._file is not None:
             self._file.write(json.dumps({"step": step, **row}) + "\n")
             self._file.flush()
+        self.history.append({"step": step, **row})
         if self.console:
-            shown = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
-            _write_console(f"[step {step}] {shown}")
+            shown = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                              if self.console_keys is None or k.split("/")[-1] in self.console_keys)
+            self.print_fn(f"{self.console_prefix}[step {step}] {shown}")
         if self._wandb_run is not None:
             self._wandb_run.log(row, step=step)
         return row
@@ -94,10 +116,4 @@ def _write_console(line: str) -> None:
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Rows of a metrics.jsonl file (a torn last line, from a killed run, is skipped)."""
-    rows = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    return read_jsonl(path, torn_tail="skip")

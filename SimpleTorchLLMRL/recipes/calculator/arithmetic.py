@@ -16,7 +16,6 @@ Message/Rollout form used for the supervised warm-up.
 
 from __future__ import annotations
 
-import ast
 import json
 import random
 import re
@@ -26,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+from SimpleTorchLLMRL.reward.math import extract_boxed
+from SimpleTorchLLMRL.tools.calculator import CalculatorError, evaluate, format_number
+from SimpleTorchLLMRL.tools.parsers import JsonToolCallParser, format_json_call
 
 OPS = ("+", "-", "*")
 SPLITS = ("train", "test")
@@ -56,8 +58,7 @@ CALCULATOR_SCHEMA = {
     },
 }
 
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_CALLS = JsonToolCallParser(allow_unclosed=False)
 
 
 @dataclass(frozen=True)
@@ -156,41 +157,23 @@ def write_jsonl(rows: list[dict], path: str | Path) -> Path:
 
 # ---------------------------------------------------------------- answers and the calculator
 
-_MAX_ABS = 10**15
+MAX_EXPRESSION_CHARS = 200
+MAX_ABS = 10**15  # the task's answers stay far below this
+_OPERATORS = frozenset("+-*() 0123456789")
 
 
 def safe_eval(expression: str) -> int:
-    """Integer + - * ( ) arithmetic through `ast` (never eval); ValueError on anything else."""
-    if not isinstance(expression, str) or len(expression) > 200:
-        raise ValueError("expression must be a string of at most 200 characters")
-    try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError as e:
-        raise ValueError(f"cannot parse expression {expression!r}") from e
-    return _eval_node(tree.body)
-
-
-def _eval_node(node: ast.AST) -> int:
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        value = node.value
-    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
-        v = _eval_node(node.operand)
-        value = -v if isinstance(node.op, ast.USub) else v
-    elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult)):
-        left, right = _eval_node(node.left), _eval_node(node.right)
-        value = left + right if isinstance(node.op, ast.Add) else left - right if isinstance(node.op, ast.Sub) \
-            else left * right
-    else:
-        raise ValueError(f"unsupported element in expression: {ast.dump(node)[:60]}")
-    if abs(value) > _MAX_ABS:
+    """The task's integer + - * ( ) arithmetic, evaluated by the library's calculator; ValueError otherwise."""
+    if not isinstance(expression, str) or len(expression) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression must be a string of at most {MAX_EXPRESSION_CHARS} characters")
+    if not set(expression) <= _OPERATORS or "**" in expression.replace(" ", ""):
+        raise ValueError(f"unsupported element in expression {expression!r}: only integers, + - * and ( )")
+    value = evaluate(expression)
+    if not isinstance(value, int):
+        raise ValueError(f"expression {expression!r} is not integer arithmetic")
+    if abs(value) > MAX_ABS:
         raise ValueError("expression result is too large")
     return value
-
-
-def extract_boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` (no nested braces), or None."""
-    found = _BOXED.findall(text or "")
-    return found[-1].strip() if found else None
 
 
 def parse_int(text: str | None) -> int | None:
@@ -214,30 +197,22 @@ def check_answer(text: str, answer: str | int) -> bool:
 
 def format_tool_call(expression: str) -> str:
     """The assistant text of a calculator call (Hermes/Qwen style)."""
-    payload = {"name": "calculator", "arguments": {"expression": expression}}
-    return f"<tool_call>\n{json.dumps(payload)}\n</tool_call>"
+    return format_json_call("calculator", {"expression": expression})
 
 
 def parse_tool_call(text: str) -> str | None:
-    """The calculator expression in the first well-formed `<tool_call>`, or None."""
-    m = _TOOL_CALL.search(text or "")
-    if not m:
-        return None
-    try:
-        call = json.loads(m.group(1))
-        expr = call["arguments"]["expression"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    if call.get("name") != "calculator" or not isinstance(expr, str):
-        return None
-    return expr
+    """The calculator expression of the first well-formed `<tool_call>`, or None."""
+    calls = _CALLS.parse(text or "")
+    expression = (calls[0].arguments or {}).get("expression") if calls else None
+    ok = calls and calls[0].error is None and calls[0].name == "calculator" and isinstance(expression, str)
+    return expression if ok else None
 
 
 def run_calculator(expression: str) -> str:
-    """The TOOL message text for an expression: the integer, or an error sentence."""
+    """The TOOL message text for an expression: what the calculator tool answers, or an error sentence."""
     try:
-        return str(safe_eval(expression))
-    except ValueError as e:
+        return format_number(evaluate(expression))
+    except CalculatorError as e:
         return f"Error: {e}"
 
 

@@ -17,6 +17,7 @@ import torch
 from SimpleTorchLLMRL.chat.message import MessageType, Rollout
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
 from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.recipes.calculator.arithmetic import used_tool
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -26,10 +27,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def used_tool(rollout: Rollout) -> bool:
-    return any(m.type is MessageType.TOOL for m in rollout)
 
 
 def episode_stats(rollouts: Sequence[Rollout], rewards: torch.Tensor) -> dict[str, float]:
@@ -111,3 +108,13 @@ def summary_table(rows: Sequence[dict], k: int) -> str:
         cells = [str(r["step"])] + [f"{r[key]:.3f}" if isinstance(r.get(key), float) else "-" for key, _ in cols[1:]]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+def accuracy_change(rows: Sequence[dict], steps: int) -> str | None:
+    """"held-out greedy accuracy: first -> last (+x points) after N steps", None without evaluations."""
+    evals = [r for r in rows if r.get("eval/accuracy") is not None]
+    if not evals:
+        return None
+    first, final = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
+    return (f"held-out greedy accuracy: {first:.3f} -> {final:.3f} ({(final - first) * 100:+.1f} points) "
+            f"after {steps} steps")

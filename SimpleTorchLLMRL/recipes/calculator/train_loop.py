@@ -1,4 +1,7 @@
-"""Small helpers `main.py` uses around its loop: seeds, generators, the LR schedule, files.
+"""Small helpers `main.py` uses around its loop: step seeds, the sampler, the metrics log, files.
+
+The steps every loop shares (seeding, the LR schedule, the checked optimizer step, checkpoints)
+are the library's: `SimpleTorchLLMRL.utils.training` and `SimpleTorchLLMRL.utils.checkpoint`.
 
 Nothing here runs the loop; `main.py` does, top to bottom.
 """
@@ -8,33 +11,22 @@ from __future__ import annotations
 import copy
 import json
 import os
-import random
+import signal
+import sys
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.utils.jsonl import read_jsonl
 
 ROLLOUT_STREAM, EVAL_STREAM = 0, 1
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def step_seed(seed: int, step: int, stream: int = ROLLOUT_STREAM) -> int:
     """The sampling seed of one step: a function of (seed, step) only, so a resumed run resamples the same."""
     return (seed * 1_000_003 + step * 2 + stream) % 2**62
-
-
-def warmup_constant(warmup_steps: int):
-    """LambdaLR factor: linear warm-up over `warmup_steps`, then constant."""
-    return lambda s: min(1.0, (s + 1) / (warmup_steps + 1)) if warmup_steps else 1.0
 
 
 class Sampler:
@@ -82,25 +74,10 @@ def trim_metrics(path: Path, last_step: int) -> None:
     """Drop rows after `last_step` from a metrics.jsonl (a resumed run rewrites them), atomically."""
     if not path.exists():
         return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the torn last line of a killed run
-        if row.get("step", 0) <= last_step:
-            kept.append(line)
+    kept = [json.dumps(row) for row in read_jsonl(path, torn_tail="skip") if row.get("step", 0) <= last_step]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(s + "\n" for s in kept), encoding="utf-8")
     os.replace(tmp, path)
-
-
-def save_final_model(model, tokenizer, path: Path) -> str:
-    """`save_pretrained` of the adapter (peft) or the full model, plus the tokenizer; returns which."""
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return "adapter" if hasattr(model, "peft_config") else "full"
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -140,3 +117,52 @@ class BackgroundEval:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+class StopOnSignal:
+    """SIGTERM / SIGINT during the loop: the first asks it to stop at the next step boundary, the second
+    stops the process at once (the signal's default action). The previous handlers come back on exit.
+
+        with StopOnSignal() as stop:
+            for step in steps:
+                ...                                   # the step runs to its end
+                if stop.requested: save a checkpoint; break
+        return stop.exit_status                       # 128 + the signal: 143 for SIGTERM, 130 for SIGINT
+
+    Handlers can only be set from the main thread; elsewhere this does nothing.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, prog: str = "main.py"):
+        self.prog = prog
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + (self.signum or 0)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:  # the second signal: stop now (checkpoints and final/ are atomic)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+        print(f"\n{self.prog}: {signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
+              "(send it again to stop at once)", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()

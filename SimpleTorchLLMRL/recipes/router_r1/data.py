@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,8 @@ from typing import Any
 from SimpleTorchLLMRL.chat.message import Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
 from SimpleTorchLLMRL.recipes.router_r1.config import RouterDataConfig
+from SimpleTorchLLMRL.utils.jsonl import read_jsonl
+from SimpleTorchLLMRL.utils.warn import warn_user
 
 
 @dataclass
@@ -32,19 +33,13 @@ def load_rows(paths: Sequence[str]) -> list[dict]:
         path = Path(p)
         if not path.is_file():
             raise FileNotFoundError(f"data file {p} does not exist")
-        text = path.read_text(encoding="utf-8")
         if path.suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(path.read_text(encoding="utf-8"))
             if not isinstance(data, list):
                 raise ValueError(f"{p}: a .json data file must hold a list of objects")
             rows += data
         else:
-            for n, line in enumerate(text.splitlines(), 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{p}:{n}: not a JSON object: {e}") from None
+            rows += read_jsonl(path, torn_tail="error")
     return rows
 
 
@@ -65,8 +60,8 @@ def prepare_rows(rows: Sequence[dict], data: RouterDataConfig, num: int | None, 
         kept = [r for r in out if len(encode_prompt(Rollout(env.setup(r.question)[0]), tokenizer))
                 <= data.max_start_length]
         if len(kept) < len(out):
-            warnings.warn(f"{split}: dropped {len(out) - len(kept)} of {len(out)} rows whose prompt is over "
-                          f"data.max_start_length={data.max_start_length} tokens", UserWarning, stacklevel=2)
+            warn_user(f"{split}: dropped {len(out) - len(kept)} of {len(out)} rows whose prompt is over "
+                      f"data.max_start_length={data.max_start_length} tokens")
         out = kept
     return out
 

@@ -12,23 +12,24 @@ One step, the loop a reader can follow:
     prepared = algo.prepare(rollouts, rewards)            # old log-probs, values, advantages (no grad)
     for each ppo epoch, mini-batch: micro-batch losses .backward(); clip; actor / critic optimizer step
 Logging goes to the console and, with "wandb" in trainer.logger, to W&B (offline by default).
-Checkpoints (every save_freq steps and at the end): default_local_dir/global_step_N/.
+Built from the same library parts as main.py's calculator recipe: `utils.training` (seed, warm-up,
+the NaN-refusing `clipped_step`), `utils.metrics.MetricsLogger` and `utils.checkpoint`.
+Checkpoints (every save_freq steps and at the end): default_local_dir/checkpoints/step-N/ (resumable:
+policy, optimizers, critic, RNG), and the policy as `save_pretrained` in default_local_dir/final/.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import math
-import os
 import random
-import shutil
 import time
 from pathlib import Path
 
 import torch
 
 from SimpleTorchLLMRL.chat.message import MessageType
+from SimpleTorchLLMRL.model.lora import is_peft_model
 from SimpleTorchLLMRL.recipes.router_r1.config import KL_PENALTIES, RouterTrainingConfig
 from SimpleTorchLLMRL.recipes.router_r1.data import batches, load_rows, prepare_rows
 from SimpleTorchLLMRL.recipes.router_r1.generation import (
@@ -39,39 +40,22 @@ from SimpleTorchLLMRL.recipes.router_r1.generation import (
 from SimpleTorchLLMRL.recipes.router_r1.pool import RoutingPool
 from SimpleTorchLLMRL.recipes.router_r1.reward import RouterReward, RouterRewardOutput
 from SimpleTorchLLMRL.trainer.losses import default_normalizer
+from SimpleTorchLLMRL.utils.checkpoint import save_checkpoint, save_pretrained_atomic
+from SimpleTorchLLMRL.utils.metrics import MetricsLogger
+from SimpleTorchLLMRL.utils.training import clipped_step, seed_everything, warmup_constant
+
+CONSOLE_KEYS = ("reward", "em", "f1", "routing_cost", "routed_calls", "well_formed", "loss", "value_loss", "kl",
+                "seconds")
 
 
-class MetricsLogger:
-    """Console lines and, lazily, W&B (`wandb` is imported only when "wandb" is in `trainer.logger`)."""
-
-    CONSOLE_KEYS = ("reward", "em", "f1", "routing_cost", "routed_calls", "well_formed", "loss", "value_loss",
-                    "kl", "seconds")
-
-    def __init__(self, config: RouterTrainingConfig, print_fn=print):
-        self.config, self.print_fn, self.run, self.history = config, print_fn, None, []
-        t = config.trainer
-        if "wandb" in t.logger and t.wandb_mode != "disabled":
-            try:
-                import wandb
-            except ImportError as e:
-                raise ImportError("trainer.logger includes 'wandb' but wandb is not installed: uv sync") from e
-            Path(t.default_local_dir).mkdir(parents=True, exist_ok=True)
-            self.run = wandb.init(project=t.project_name, name=t.experiment_name, mode=t.wandb_mode,
-                                  config=config.to_dict(), dir=t.default_local_dir)
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        self.history.append({"step": step, **metrics})
-        if "console" in self.config.trainer.logger:
-            shown = [f"{k}={v:.4g}" for k, v in metrics.items()
-                     if isinstance(v, (int, float)) and k.split("/")[-1] in self.CONSOLE_KEYS]
-            self.print_fn(f"[router-r1] step {step}: " + " ".join(shown))
-        if self.run is not None:
-            self.run.log(metrics, step=step)
-
-    def finish(self) -> None:
-        if self.run is not None:
-            self.run.finish()
-            self.run = None
+def metrics_logger(config: RouterTrainingConfig, print_fn=print) -> MetricsLogger:
+    """The library's logger: chosen keys on the console, W&B when "wandb" is in trainer.logger."""
+    t = config.trainer
+    use_wandb = "wandb" in t.logger and t.wandb_mode != "disabled"
+    return MetricsLogger(t.default_local_dir if use_wandb else None, use_wandb=use_wandb, project=t.project_name,
+                         run_name=t.experiment_name, config=config.to_dict(), console="console" in t.logger,
+                         console_keys=CONSOLE_KEYS, console_prefix="[router-r1] ", print_fn=print_fn,
+                         wandb_mode=t.wandb_mode)
 
 
 def _mean(t: torch.Tensor) -> float:
@@ -88,7 +72,7 @@ class RouterR1Trainer:
             raise TypeError(f"config must be a RouterTrainingConfig, got {type(config).__name__}")
         self.config, self.policy, self.tokenizer, self.pool = config, policy, tokenizer, pool
         d, t = config.data, config.trainer
-        torch.manual_seed(t.seed)
+        seed_everything(t.seed)
         self.rng = random.Random(t.seed)
         self.env = RouterEnv(pool, tokenizer, config)
         self.train_rows = prepare_rows(load_rows(d.train_files) if train_rows is None else train_rows, d,
@@ -106,11 +90,10 @@ class RouterR1Trainer:
                            if t.adv_estimator == "gae" else None)
         self.global_step = 0
         self.total_steps = self._total_steps()
-        warmup = int(t.lr_warmup_steps_ratio * self.total_steps)
-        schedule = lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0  # noqa: E731
+        schedule = warmup_constant(int(t.lr_warmup_steps_ratio * self.total_steps))
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in (self.actor_opt, self.critic_opt)
                            if o is not None]
-        self.logger = MetricsLogger(config, print_fn)
+        self.logger = metrics_logger(config, print_fn)
         self.print_fn = print_fn
 
     # -- construction helpers
@@ -120,8 +103,7 @@ class RouterR1Trainer:
 
         t, g = self.config.trainer, self.config.generation
         ref = None
-        is_peft = hasattr(self.policy, "peft_config") and hasattr(self.policy, "disable_adapter")
-        if t.kl_coef > 0 and not is_peft:  # a peft policy's reference is itself with the adapter off
+        if t.kl_coef > 0 and not is_peft_model(self.policy):  # a peft policy's reference is itself with the adapter off
             ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
         common = dict(eps=t.clip_ratio, beta=t.kl_coef, kl_estimator=KL_PENALTIES[t.kl_penalty],
                       temperature=g.temperature, ref_model=ref)
@@ -192,14 +174,10 @@ class RouterR1Trainer:
 
     def _optimizer_step(self, actor_on: bool) -> None:
         grad_clip = self.config.trainer.grad_clip
-        actor_params = [p for g in self.actor_opt.param_groups for p in g["params"]]
         if self.critic_opt is not None:
-            torch.nn.utils.clip_grad_norm_([p for g in self.critic_opt.param_groups for p in g["params"]], grad_clip)
-            self.critic_opt.step()
-            self.critic_opt.zero_grad(set_to_none=True)
+            clipped_step(self.critic_opt, grad_clip)
         if actor_on:
-            torch.nn.utils.clip_grad_norm_(actor_params, grad_clip)
-            self.actor_opt.step()
+            clipped_step(self.actor_opt, grad_clip)
         self.actor_opt.zero_grad(set_to_none=True)
 
     # -- validation
@@ -232,9 +210,9 @@ class RouterR1Trainer:
         last = {"train": {}, "val": {}}
         if v.val_before_train or v.val_only:
             last["val"] = self.validate()
-            self.logger.log(last["val"], self.global_step)
+            self.logger.log(self.global_step, last["val"])
             if v.val_only:
-                self.logger.finish()
+                self.logger.close()
                 return last
         try:
             for _ in range(t.total_epochs):
@@ -252,32 +230,27 @@ class RouterR1Trainer:
                         last["val"] = self.validate()
                         metrics.update(last["val"])
                     last["train"] = metrics
-                    self.logger.log(metrics, self.global_step)
+                    self.logger.log(self.global_step, metrics)
                     if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or final):
                         self.save_checkpoint()
         finally:
-            self.logger.finish()
+            self.logger.close()
         return last
 
     # -- checkpoints
     def save_checkpoint(self, directory: str | None = None) -> Path:
-        """actor/ (save_pretrained + tokenizer), critic.pt (value head / critic, optimizers), trainer_state.json.
-        Written to a temporary directory first, then renamed (a crash never leaves a half checkpoint)."""
+        """A resumable checkpoint (utils.checkpoint) in directory/step-N (default: default_local_dir/checkpoints):
+        the policy's trainable weights, the actor optimizer and scheduler, the value head / critic and its
+        optimizer, RNG, and the config; plus the policy as `save_pretrained` in default_local_dir/final.
+        Both are written atomically (a crash never leaves a half checkpoint)."""
         t = self.config.trainer
-        final = Path(directory or os.path.join(t.default_local_dir, f"global_step_{self.global_step}"))
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        self.policy.save_pretrained(tmp / "actor")
-        self.tokenizer.save_pretrained(tmp / "actor")
-        state = {"actor_opt": self.actor_opt.state_dict(), "rng": torch.get_rng_state()}
+        extra = {}
         if self.critic_opt is not None:
-            state.update(value_head=self.algo.value_head.state_dict(), critic_opt=self.critic_opt.state_dict())
+            extra.update(value_head=self.algo.value_head.state_dict(), critic_opt=self.critic_opt.state_dict())
             if self.algo.critic is not None:
-                state["critic"] = self.algo.critic.state_dict()
-        torch.save(state, tmp / "critic.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps(
-            {"global_step": self.global_step, "config": self.config.to_dict()}, indent=1, default=str))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        return final
+                extra["critic"] = self.algo.critic.state_dict()
+        path = save_checkpoint(directory or Path(t.default_local_dir) / "checkpoints", self.global_step, self.policy,
+                               self.actor_opt, self.schedulers[0], extra=extra,
+                               state={"global_step": self.global_step, "config": self.config.to_dict()})
+        save_pretrained_atomic(self.policy, self.tokenizer, Path(t.default_local_dir) / "final")
+        return path

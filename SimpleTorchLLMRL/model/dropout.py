@@ -1,0 +1,49 @@
+"""Dropout off for RL: on-policy ratios must be exactly 1.
+
+With dropout active (`model.train()` on a GPT-2-style model), the trainer's log-probs
+are those of a random sub-network, not of the policy that sampled: on-policy ratios
+spread around 1 (0.87-1.24 measured) and clipping bites tokens it should not.
+
+    disable_dropout(model)        # every nn.Dropout to p=0, attention dropout rates to 0
+    active_dropout(model)         # names of modules that would still drop in train mode
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+_RATE_ATTRIBUTES = ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout",
+                    "dropout_rate")
+
+
+def _rates(module: nn.Module) -> dict[str, float]:
+    """Float dropout rates a module reads in forward (HF attention passes `self.attention_dropout`)."""
+    return {a: v for a in _RATE_ATTRIBUTES if isinstance(v := getattr(module, a, None), float)}
+
+
+def active_dropout(model: nn.Module) -> list[str]:
+    """Qualified names of the modules whose dropout is non-zero (empty: training is deterministic)."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            found.append(name or type(module).__name__)
+        elif any(v > 0 for v in _rates(module).values()):
+            found.append(name or type(module).__name__)
+    return found
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Set every dropout probability in `model` (peft's lora_dropout included) to 0; returns the model.
+
+    Also zeroes the matching fields of `model.config`, so a saved model loads without dropout.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for attribute in _rates(module):
+            setattr(module, attribute, 0.0)
+    config = getattr(model, "config", None)
+    for attribute in _RATE_ATTRIBUTES + ("summary_first_dropout", "classifier_dropout"):
+        if isinstance(getattr(config, attribute, None), float):
+            setattr(config, attribute, 0.0)
+    return model

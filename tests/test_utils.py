@@ -1,0 +1,158 @@
+"""The pieces every training loop shares: the JSONL reader, the checked optimizer step, atomic exports."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from SimpleTorchLLMRL.utils.checkpoint import load_checkpoint, save_checkpoint, save_pretrained_atomic
+from SimpleTorchLLMRL.utils.jsonl import jsonl_records, read_jsonl
+from SimpleTorchLLMRL.utils.metrics import MetricsLogger
+from SimpleTorchLLMRL.utils.training import NonFiniteError, clipped_step, warmup_constant
+
+# ----------------------------------------------------------------------------- JSONL
+
+
+def test_a_torn_last_line_is_dropped_with_a_warning(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"a": 1}\n\n{"a": 2}\n{"a": 3, "b"')
+    with pytest.warns(UserWarning, match="torn"):
+        assert read_jsonl(path) == [{"a": 1}, {"a": 2}]
+    assert read_jsonl(path, torn_tail="skip") == [{"a": 1}, {"a": 2}]
+    with pytest.raises(ValueError, match="line 4 is not JSON"):
+        read_jsonl(path, torn_tail="error")
+
+
+def test_a_bad_line_that_is_not_the_torn_tail_is_an_error(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"a": 1}\nnot json\n{"a": 3}\n')
+    with pytest.raises(ValueError, match=r"m.jsonl: line 2 is not JSON"):
+        read_jsonl(path)
+    # a complete (newline-terminated) last line that does not parse was not torn by a kill: an error
+    with pytest.raises(ValueError, match="line 2"):
+        list(jsonl_records('{"a": 1}\n{"a"\n', "x", torn_tail="skip"))
+
+
+def test_line_numbers_count_blank_lines():
+    assert list(jsonl_records('\n{"a": 1}\n\n[2]\n', "x")) == [(2, {"a": 1}), (4, [2])]
+
+
+def test_torn_tail_mode_is_checked():
+    with pytest.raises(ValueError, match="torn_tail"):
+        list(jsonl_records("", "x", torn_tail="maybe"))
+
+
+# ----------------------------------------------------------------------------- the checked step
+
+
+def _model_and_opt(lr=0.1):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    return model, torch.optim.SGD(model.parameters(), lr=lr)
+
+
+def test_clipped_step_clips_steps_and_zeroes():
+    model, opt = _model_and_opt()
+    before = model.weight.detach().clone()
+    (model(torch.ones(2, 4)).sum() * 100).backward()
+    want = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+    norm = clipped_step(opt, max_grad_norm=1.0)
+    assert norm == pytest.approx(want) and norm > 1.0
+    moved = torch.cat([(model.weight.detach() - before).flatten()])
+    assert 0 < float(moved.norm()) <= 0.1 + 1e-6  # lr x clipped norm (weight part of it)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_nan_gradient_skips_the_step_and_says_so():
+    model, opt = _model_and_opt()
+    before = [p.detach().clone() for p in model.parameters()]
+    (model(torch.ones(2, 4)).sum() * float("nan")).backward()
+    with pytest.raises(NonFiniteError, match="gradient norm is nan"):
+        clipped_step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_infinite_learning_rate_is_refused_after_the_step():
+    model, opt = _model_and_opt(lr=math.inf)
+    model(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(NonFiniteError, match="weights"):
+        clipped_step(opt)
+
+
+def test_warmup_constant_reaches_one_after_warmup():
+    f = warmup_constant(3)
+    assert [f(s) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert warmup_constant(0)(0) == 1.0
+
+
+# ----------------------------------------------------------------------------- checkpoints and exports
+
+
+def test_extra_state_round_trips(tmp_path):
+    model, opt = _model_and_opt()
+    critic = torch.nn.Linear(3, 1)
+    path = save_checkpoint(tmp_path, 7, model, opt, extra={"critic": critic.state_dict()}, state={"x": 1})
+    state = load_checkpoint(path, model, opt)
+    assert state["step"] == 7 and state["x"] == 1
+    assert torch.equal(state["extra"]["critic"]["weight"], critic.weight)
+
+
+class _Saves:
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+
+    def save_pretrained(self, path):
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps({"new": True}))
+        if self.fail:
+            raise OSError("disk full")
+
+
+def test_save_pretrained_atomic_replaces_whole_or_not_at_all(tmp_path):
+    final = tmp_path / "final"
+    assert save_pretrained_atomic(_Saves(), None, final) == "full"
+    (final / "config.json").write_text('{"old": true}')
+    with pytest.raises(OSError, match="disk full"):
+        save_pretrained_atomic(_Saves(fail=True), None, final)
+    assert json.loads((final / "config.json").read_text()) == {"old": True}  # the previous export is intact
+    save_pretrained_atomic(_Saves(), None, final)
+    assert json.loads((final / "config.json").read_text()) == {"new": True}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+class FakeWandb:
+    """Stands in for the wandb module: records init calls, never touches the network."""
+
+    __spec__ = importlib.machinery.ModuleSpec("wandb", None)  # importlib.util.find_spec("wandb") asks for it
+
+    def __init__(self):
+        self.inits: list[dict] = []
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        run = types.SimpleNamespace(id=kwargs.get("id") or f"run{len(self.inits)}", logged=[])
+        run.log = lambda row, step: run.logged.append((step, row))
+        run.finish = lambda: None
+        return run
+
+
+def test_metrics_logger_resumes_the_given_wandb_run(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    first = MetricsLogger(tmp_path, use_wandb=True, console=False, wandb_mode="offline")
+    run_id = first.wandb_run_id
+    assert run_id == "run1" and "id" not in fake.inits[0]  # a new run: W&B picks the id
+    first.close()
+    again = MetricsLogger(tmp_path, use_wandb=True, console=False, append=True, run_id=run_id,
+                          wandb_mode="offline")
+    assert fake.inits[1]["id"] == run_id and fake.inits[1]["resume"] == "allow"
+    assert again.wandb_run_id == run_id
+    again.close()
+    assert MetricsLogger(tmp_path / "plain", console=False).wandb_run_id is None
