@@ -136,7 +136,8 @@ def use_adapter(model: nn.Module, name: str | None) -> Iterator[nn.Module]:
             return
         flags = _requires_grad(model)
         try:
-            with model.disable_adapter():
+            with model.disable_adapter():  # peft freezes every adapter inside and re-sets them on exit
+                _restore_requires_grad(model, flags)
                 yield model
         finally:
             _restore_requires_grad(model, flags)
