@@ -10,7 +10,7 @@ The task is a two-step calculation split between two agents (a cooperative chain
     finisher: ... \\boxed{458}                         (agent B, adapter "finisher")
 
 Each agent is rewarded for its own step: the planner for boxing a + b, the finisher for boxing
-x - c, where x is the number the planner boxed. Both agents sample from one shared transcript
+x - c, where x is the number the planner boxed (0 when it boxed none). Both agents sample from one shared transcript
 with their own adapter (`ModelGenerate(..., adapter=)`); each is trained on the same transcript
 with only its own turns in the loss mask (`set_trainable_agents`), its own GRPO groups and
 advantages, its adapter active (`use_adapter`), and an optimizer over its adapter only. The KL
@@ -28,7 +28,6 @@ Legend: Q questions per step (--batch-size), G samples per question (--group-siz
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
 import json
 import random
@@ -72,36 +71,32 @@ def agent_step(episodes: list[Rollout], agent: str, generator: ModelGenerate, ma
     by a TOOL message and the agent speaks again, up to `max_turns` turns."""
     respond = functools.partial(generator.responses, adapter=agent)
     active = list(episodes)
-    for _ in range(max_turns):
+    for turn in range(max_turns):
         if not active:
             break
         replies = take_turns(active, agent, respond, view=False)  # the shared transcript is the prompt
         still = []
         for episode, reply in zip(active, replies, strict=True):
             expression = calc.parse_tool_call(reply.content)
-            if expression is not None:
+            if expression is not None and turn + 1 < max_turns:
                 episode.add_messages(Message(calc.run_calculator(expression), MessageType.TOOL, name="calculator"))
                 still.append(episode)
         active = still
 
 
 def play(episodes: list[Rollout], generator: ModelGenerate) -> dict[str, torch.Tensor]:
-    """Planner, then the finisher on the planner's result; returns each agent's rewards (R,), NaN: did not play."""
+    """The planner, then the finisher on the planner's number; returns each agent's rewards, (R,) each."""
     agent_step(episodes, "planner", generator)
-    finishers = []
-    for e in episodes:
+    for e in episodes:  # the env writes the planner's result into the finisher's question (0 if it gave none)
         x = boxed_int(agent_turns(e, "planner")[-1])
-        e.metadata["x"] = x
-        if x is not None:  # the planner stated a number: the finisher works on it
-            e.add_messages(Message(f"What is {x} - {e.metadata['c']}?", MessageType.MESSAGE))
-            finishers.append(e)
-    agent_step(finishers, "finisher", generator)
-    rewards = {agent: torch.full((len(episodes),), float("nan")) for agent in AGENTS}
+        e.metadata["x"] = 0 if x is None else x
+        e.add_messages(Message(f"What is {e.metadata['x']} - {e.metadata['c']}?", MessageType.MESSAGE))
+    agent_step(episodes, "finisher", generator)
+    rewards = {agent: torch.zeros(len(episodes)) for agent in AGENTS}
     for i, e in enumerate(episodes):
         m = e.metadata
-        rewards["planner"][i] = float(m["x"] == m["a"] + m["b"])
-        if m["x"] is not None:
-            rewards["finisher"][i] = float(boxed_int(agent_turns(e, "finisher")[-1]) == m["x"] - m["c"])
+        rewards["planner"][i] = float(boxed_int(agent_turns(e, "planner")[-1]) == m["a"] + m["b"])
+        rewards["finisher"][i] = float(boxed_int(agent_turns(e, "finisher")[-1]) == m["x"] - m["c"])
     return rewards
 
 
@@ -121,7 +116,7 @@ def episodes_for(triples, group_size: int) -> list[Rollout]:
 
 
 def mean_rewards(rewards: dict[str, torch.Tensor]) -> dict[str, float]:
-    return {a: float(r[~r.isnan()].mean()) if (~r.isnan()).any() else 0.0 for a, r in rewards.items()}
+    return {a: r.mean().item() for a, r in rewards.items()}
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -176,21 +171,14 @@ def main(argv: list[str] | None = None) -> dict:
         rewards = play(episodes, generator)  # {agent: (R,)}
         row = {"step": step}
         for agent in AGENTS:
-            r = rewards[agent]
-            played = [i for i in range(len(episodes)) if not r[i].isnan()]  # the episodes where it played
-            row[f"{agent}/reward"] = float(r[played].mean())
+            row[f"{agent}/reward"] = rewards[agent].mean().item()
             row[f"{agent}/tool_rate"] = sum(
-                any(calc.parse_tool_call(m.content) for m in agent_turns(episodes[i], agent)) for i in played
-            ) / len(played)
+                any(calc.parse_tool_call(m.content) for m in agent_turns(e, agent)) for e in episodes) / len(episodes)
             if agent not in trained:
                 continue
-            groups = collections.Counter(episodes[i].metadata["group_id"] for i in played)
-            rows = [i for i in played if groups[episodes[i].metadata["group_id"]] > 1]  # a group of one: no baseline
-            if not rows:
-                continue
-            batch = [set_trainable_agents(episodes[i].copy(), agent) for i in rows]  # only its turns trained
+            batch = [set_trainable_agents(e.copy(), agent) for e in episodes]  # only its turns are trained
             with use_adapter(model, agent):  # its policy; the KL reference is the base (adapters off)
-                loss = grpo[agent].calculate_loss(batch, r[rows])  # its own groups (metadata["group_id"])
+                loss = grpo[agent].calculate_loss(batch, rewards[agent])  # its own groups (metadata["group_id"])
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(adapter_parameters(model, agent), 1.0)
             optimizers[agent].step()

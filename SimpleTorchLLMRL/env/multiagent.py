@@ -14,6 +14,11 @@ An agent's turn is a MODEL message with `name=` set. Two ways to train on them:
    each turn from the speaker's view (`take_turn`) and train on the same view, so
    the context a turn was sampled under is exactly the context it is trained under.
 
+Either way, each agent can have its own policy: one LoRA adapter per agent on one base
+model (`model/adapters.py`), a batch of turns sampled with `take_turns(rollouts, agent,
+partial(generator.responses, adapter=agent))`, and each agent's loss computed inside
+`use_adapter(model, agent)` (docs/multi_policy.md).
+
     debate = Rollout([Message("Is 91 prime?", MessageType.MESSAGE)])
     for speaker in ["A", "B", "A"]:
         take_turn(debate, speaker, respond=generator.rollout_generate_response)
