@@ -10,14 +10,18 @@ The task is a two-step calculation split between two agents (a cooperative chain
     finisher: ... \\boxed{458}                         (agent B, adapter "finisher")
 
 Each agent is rewarded for its own step: the planner for boxing a + b, the finisher for boxing
-x - c, where x is the number the planner boxed (0 when it boxed none). Both agents sample from one shared transcript
-with their own adapter (`ModelGenerate(..., adapter=)`); each is trained on the same transcript
+x - c, where x is the number the planner boxed (0 when it boxed none). Both agents sample from
+one shared transcript, each with its own adapter (`ModelGenerate(..., adapter=)`); each is trained on the same transcript
 with only its own turns in the loss mask (`set_trainable_agents`), its own GRPO groups and
 advantages, its adapter active (`use_adapter`), and an optimizer over its adapter only. The KL
 term (--beta) is taken to the base model: the adapters switched off.
 
-    uv run python examples/multi_policy.py                      # ~60 steps, curves in runs/multi_policy/
+    uv run python examples/multi_policy.py                      # 60 steps, ~2.5 min on 2 CPU cores
     uv run python examples/multi_policy.py --steps 3 --eval-episodes 16
+    uv run python examples/multi_policy.py --frozen finisher    # the finisher keeps its (initial) policy
+
+It ends with each agent's held-out reward before -> after; the curves are in
+runs/multi_policy/rewards.png (see docs/multi_policy.md for a measured run).
 
 The embedded tiny_calc model answers additions and subtractions from memory (wrongly) and only
 sometimes calls the calculator, so each agent has room to learn its own tool use.
