@@ -59,7 +59,9 @@ class Message:
     calls of a MODEL turn (OpenAI style); `tool_call_id` names the call a TOOL
     message answers (Mistral and OpenAI-style templates need it).
     `policy_version` is the version of the weights that sampled the turn
-    (set by the generator; see `ModelGenerate.policy_version`).
+    (set by the generator; see `ModelGenerate.policy_version`). `adapter` names the
+    LoRA adapter that sampled it when the generator was asked for one (one adapter
+    per agent: `model/adapters.py`); `name` is the agent that speaks.
     """
 
     content: str
@@ -73,6 +75,7 @@ class Message:
     finish_reason: str | None = field(default=None, kw_only=True)
     temperature: float | None = field(default=None, kw_only=True)
     policy_version: int | None = field(default=None, kw_only=True)
+    adapter: str | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.content, str):
@@ -97,6 +100,8 @@ class Message:
             raise TypeError(f"Message tool_call_id must be a str or None, got {type(self.tool_call_id).__name__}")
         if self.policy_version is not None and not isinstance(self.policy_version, int):
             raise TypeError(f"Message policy_version must be an int or None, got {self.policy_version!r}")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise TypeError(f"Message adapter must be a non-empty str or None, got {self.adapter!r}")
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS} or None, got {self.finish_reason!r}")
 
@@ -228,10 +233,13 @@ def sampled_versions(rollouts: Iterable[Rollout]) -> list[int]:
 
 # ---------------------------------------------------------------------- records (JSON-ready dicts; files in chat.rollout_io)
 
-FORMAT_VERSION = 1
+# Version 2 added Message.adapter. A record is written with the lowest version that holds it (1 unless
+# some message names an adapter), so files without adapters stay readable by older versions of the library.
+FORMAT_VERSION = 2
 SKIPPED_METADATA = ("env_state",)  # live environment objects from collect_rollouts
 _FIELDS = ("name", "trainable", "token_ids", "logprobs", "tool_calls", "tool_call_id", "finish_reason",
-           "temperature", "policy_version")
+           "temperature", "policy_version", "adapter")
+_SINCE = {"adapter": 2}  # fields newer than version 1: the version that introduced them
 
 
 def message_to_dict(m: Message) -> dict[str, Any]:
@@ -243,10 +251,11 @@ def message_to_dict(m: Message) -> dict[str, Any]:
     return out
 
 
-def message_from_dict(d: dict[str, Any]) -> Message:
-    unknown = set(d) - {"role", "content", *_FIELDS}
+def message_from_dict(d: dict[str, Any], version: int = FORMAT_VERSION) -> Message:
+    known = {"role", "content", *(f for f in _FIELDS if _SINCE.get(f, 1) <= version)}
+    unknown = set(d) - known
     if unknown:
-        raise ValueError(f"message record has unknown fields {sorted(unknown)}")
+        raise ValueError(f"message record (format version {version}) has unknown fields {sorted(unknown)}")
     return Message(d["content"], MessageType.from_role(d["role"]), **{f: d[f] for f in _FIELDS if d.get(f) is not None})
 
 
@@ -277,8 +286,9 @@ def rollout_to_dict(rollout: Rollout, skip_metadata: Iterable[str] = SKIPPED_MET
         if not isinstance(k, str):
             raise ValueError(f"metadata key {k!r} is not a str")
         _json_value(v, f"metadata[{k!r}]")
-    return {"format_version": FORMAT_VERSION, "messages": [message_to_dict(m) for m in rollout],
-            "metadata": metadata}
+    messages = [message_to_dict(m) for m in rollout]
+    version = max([1, *(_SINCE.get(f, 1) for m in messages for f in m)])
+    return {"format_version": version, "messages": messages, "metadata": metadata}
 
 
 def rollout_from_dict(d: dict[str, Any]) -> Rollout:
@@ -288,4 +298,4 @@ def rollout_from_dict(d: dict[str, Any]) -> Rollout:
     if version > FORMAT_VERSION:
         raise ValueError(f"rollout record of format version {version}, newer than this library's "
                          f"{FORMAT_VERSION}; upgrade SimpleTorchLLMRL to read it")
-    return Rollout([message_from_dict(m) for m in d["messages"]], d.get("metadata") or {})
+    return Rollout([message_from_dict(m, version) for m in d["messages"]], d.get("metadata") or {})

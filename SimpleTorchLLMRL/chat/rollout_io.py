@@ -2,7 +2,7 @@
 
 A rollout is stored as `Rollout.to_dict()`: every message field (type, name,
 content, trainable flag, sampled token ids and log-probs, sampling temperature,
-tool calls and tool-call id, finish reason, policy version) and the metadata.
+tool calls and tool-call id, finish reason, policy version, adapter) and the metadata.
 Log-probs are stored as float64, which holds the generator's float32 values
 exactly. Metadata must be JSON (str keys; str, numbers, bools, None, lists,
 dicts); anything else is an error naming the key, except the live `env_state`
@@ -119,7 +119,7 @@ def _message_type(pa):
                       ("trainable", pa.bool_()), ("token_ids", pa.list_(pa.int64())),
                       ("logprobs", pa.list_(pa.float64())), ("tool_calls", pa.string()),
                       ("tool_call_id", pa.string()), ("finish_reason", pa.string()),
-                      ("temperature", pa.float64()), ("policy_version", pa.int64())])
+                      ("temperature", pa.float64()), ("policy_version", pa.int64()), ("adapter", pa.string())])
 
 
 def _write_parquet(path: Path, records: list[dict]) -> None:

@@ -14,6 +14,11 @@ An agent's turn is a MODEL message with `name=` set. Two ways to train on them:
    each turn from the speaker's view (`take_turn`) and train on the same view, so
    the context a turn was sampled under is exactly the context it is trained under.
 
+Either way, each agent can have its own policy: one LoRA adapter per agent on one base
+model (`model/adapters.py`), a batch of turns sampled with `take_turns(rollouts, agent,
+partial(generator.responses, adapter=agent))`, and each agent's loss computed inside
+`use_adapter(model, agent)` (docs/multi_policy.md).
+
     debate = Rollout([Message("Is 91 prime?", MessageType.MESSAGE)])
     for speaker in ["A", "B", "A"]:
         take_turn(debate, speaker, respond=generator.rollout_generate_response)
@@ -22,7 +27,7 @@ An agent's turn is a MODEL message with `name=` set. Two ways to train on them:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
@@ -126,17 +131,38 @@ def views_by_agent(rollout: Rollout, agents: Iterable[str] | None = None, **kwar
 
 
 def take_turn(rollout: Rollout, agent: str, respond: Callable[[Rollout], Message], *,
-              template: str = DEFAULT_TEMPLATE, trainable: bool | None = None) -> Message:
+              template: str = DEFAULT_TEMPLATE, trainable: bool | None = None, view: bool = True) -> Message:
     """Let `agent` speak: `respond(view_for_agent(rollout, agent))` -> Message, named and appended to `rollout`.
 
     `respond` is e.g. `ModelGenerate(...).rollout_generate_response`, or a scripted
     function for a fixed opponent. Its message is stored as a MODEL turn with
     `name=agent` (sampled ids and log-probs kept); returns that message.
+    view=False: `respond` sees the shared transcript itself (every agent's turn as MODEL).
+    """
+    return take_turns([rollout], agent, lambda rs: [respond(rs[0])], template=template, trainable=trainable,
+                      view=view)[0]
+
+
+def take_turns(rollouts: Sequence[Rollout], agent: str, respond: Callable[[list[Rollout]], list[Message]], *,
+               template: str = DEFAULT_TEMPLATE, trainable: bool | None = None, view: bool = True) -> list[Message]:
+    """`take_turn` for a batch: one `respond(prompts)` call gives `agent`'s next turn in every rollout.
+
+    `respond` maps a list of rollouts to one Message each, e.g.
+    `functools.partial(generator.responses, adapter=agent)` (each agent sampled with its own
+    LoRA adapter). The prompts are `view_for_agent(r, agent)` (view=True) or the shared
+    transcripts themselves (view=False). Returns the appended messages.
     """
     _check_name(agent)
-    reply = respond(view_for_agent(rollout, agent, template=template))
-    if not isinstance(reply, Message):
-        raise TypeError(f"respond must return a Message, got {type(reply).__name__}")
-    reply = replace(reply, type=MessageType.MODEL, name=agent, trainable=trainable)
-    rollout.add_messages(reply)
-    return reply
+    rollouts = list(rollouts)
+    prompts = [view_for_agent(r, agent, template=template) if view else r for r in rollouts]
+    replies = list(respond(prompts))
+    if len(replies) != len(rollouts):
+        raise ValueError(f"respond returned {len(replies)} messages for {len(rollouts)} rollouts")
+    out = []
+    for r, reply in zip(rollouts, replies, strict=True):
+        if not isinstance(reply, Message):
+            raise TypeError(f"respond must return a Message, got {type(reply).__name__}")
+        reply = replace(reply, type=MessageType.MODEL, name=agent, trainable=trainable)
+        r.add_messages(reply)
+        out.append(reply)
+    return out

@@ -35,12 +35,29 @@ def is_vllm_llm(model) -> bool:
     return not isinstance(model, torch.nn.Module) and hasattr(model, "llm_engine") and hasattr(model, "generate")
 
 
+def _per_rollout(adapter, count: int) -> list[str | None] | None:
+    """`adapter` as one entry per rollout (None when no adapter is asked for at all)."""
+    if adapter is None:
+        return None
+    if isinstance(adapter, str):
+        adapters = [adapter] * count
+    else:
+        adapters = list(adapter)
+        if len(adapters) != count:
+            raise ValueError(f"adapter has {len(adapters)} entries for {count} rollouts; give one per rollout")
+    bad = [a for a in adapters if a is not None and (not isinstance(a, str) or not a)]
+    if bad:
+        raise ValueError(f"adapter names must be non-empty strs (or None), got {bad[0]!r}")
+    return None if all(a is None for a in adapters) else adapters
+
+
 class ModelGenerate:
     """Generate MODEL turns for rollouts with an HF model or a `vllm.LLM`.
 
         gen = ModelGenerate(model, tokenizer, max_new_tokens=128, temperature=0.8, stop=["</answer>"], seed=0)
         gen.batch_rollout_generate_response(rollouts)        # appends one MODEL message to each
         groups = gen.group_generate(rollouts, n=8)           # list[list[Message]], 8 per rollout
+        gen.generate(rollouts, adapter="solver")             # with one agent's LoRA adapter (model/adapters.py)
 
     model: an HF causal LM (peft models too), a `vllm.LLM`, or with `backend="vllm"` a model path.
     stop: stop strings (kept in text and ids); tool_call_stop: stop strings that end the turn with
@@ -123,8 +140,15 @@ class ModelGenerate:
                 )
 
     # -- generation
-    def generate(self, rollouts: Sequence[Rollout], n: int = 1) -> list[list[Message]]:
-        """`n` sampled MODEL messages per rollout, all prompts x n in one batch. Does not append."""
+    def generate(self, rollouts: Sequence[Rollout], n: int = 1, *,
+                 adapter: str | Sequence[str | None] | None = None) -> list[list[Message]]:
+        """`n` sampled MODEL messages per rollout, all prompts x n in one batch. Does not append.
+
+        adapter: sample with this LoRA adapter of a multi-adapter peft model (HF) or with the
+        `LoRARequest` pushed under this name (vLLM: `push_weights(model, "adapter", adapter=...)`),
+        and record it on each message; a list gives one adapter per rollout (None: as configured).
+        The HF backend runs one batch per adapter, in order of first appearance; vLLM one batch.
+        """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive int, got {n!r}")
         rollouts = list(rollouts)
@@ -135,35 +159,60 @@ class ModelGenerate:
                 raise TypeError(f"rollout {i} is a {type(r).__name__}, not a Rollout")
         prompts = self.prompt_ids(rollouts)
         self._check_prompts(prompts)
-        seed = None if self._rng is None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
-        samples = self.backend.generate(prompts, n, seed)  # len(prompts) lists of n Samples
-        return [[self._message(s) for s in group] for group in samples]
+        adapters = _per_rollout(adapter, len(rollouts))
+        if adapters is None:
+            return self._sample(prompts, n, None, [None] * len(prompts))
+        if getattr(self.backend, "mixed_adapters", False):  # vLLM: one LoRARequest per prompt, one batch
+            return self._sample(prompts, n, adapters, adapters)
+        out: list[list[Message] | None] = [None] * len(prompts)
+        for name in dict.fromkeys(adapters):  # one batch per adapter
+            rows = [i for i, a in enumerate(adapters) if a == name]
+            for i, msgs in zip(rows, self._sample([prompts[i] for i in rows], n, name, [name] * len(rows)),
+                               strict=True):
+                out[i] = msgs
+        return out
 
-    def _message(self, s: Sample) -> Message:
+    def _sample(self, prompts, n, adapter, recorded) -> list[list[Message]]:
+        seed = None if self._rng is None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        if adapter is None:
+            samples = self.backend.generate(prompts, n, seed)  # len(prompts) lists of n Samples
+        else:
+            samples = self.backend.generate(prompts, n, seed, adapter=adapter)
+        return [[self._message(s, a) for s in group] for group, a in zip(samples, recorded, strict=True)]
+
+    def _message(self, s: Sample, adapter: str | None = None) -> Message:
         return Message(s.text, MessageType.MODEL, token_ids=s.token_ids, logprobs=s.logprobs,
                        finish_reason=s.finish_reason, temperature=self.backend.logprob_temperature,
-                       policy_version=self.policy_version)
+                       policy_version=self.policy_version, adapter=adapter)
 
-    def rollout_generate_response(self, rollout: Rollout) -> Message:
+    def rollout_generate_response(self, rollout: Rollout, *, adapter: str | None = None) -> Message:
         """One MODEL message for `rollout` (not appended)."""
-        return self.generate([rollout])[0][0]
+        return self.generate([rollout], adapter=adapter)[0][0]
 
-    def batch_rollout_generate_response(self, rollouts: Sequence[Rollout]) -> None:
+    def responses(self, rollouts: Sequence[Rollout], *,
+                  adapter: str | Sequence[str | None] | None = None) -> list[Message]:
+        """One MODEL message per rollout, generated as one batch (per adapter), not appended."""
+        return [msgs[0] for msgs in self.generate(rollouts, adapter=adapter)]
+
+    def batch_rollout_generate_response(self, rollouts: Sequence[Rollout], *,
+                                        adapter: str | Sequence[str | None] | None = None) -> None:
         """Append one MODEL message to each rollout, generated as one batch."""
-        for r, (msg,) in zip(rollouts, self.generate(rollouts), strict=True):
+        for r, msg in zip(rollouts, self.responses(rollouts, adapter=adapter), strict=True):
             r.add_messages(msg)
 
-    def group_generate(self, rollouts: Sequence[Rollout], n: int) -> list[list[Message]]:
+    def group_generate(self, rollouts: Sequence[Rollout], n: int, *,
+                       adapter: str | Sequence[str | None] | None = None) -> list[list[Message]]:
         """GRPO form: `n` completions per rollout, [rollout][sample]."""
-        return self.generate(rollouts, n)
+        return self.generate(rollouts, n, adapter=adapter)
 
-    def group_rollout_generate_response(self, rollouts: Sequence[Rollout], n: int) -> list[Rollout]:
+    def group_rollout_generate_response(self, rollouts: Sequence[Rollout], n: int, *,
+                                        adapter: str | Sequence[str | None] | None = None) -> list[Rollout]:
         """`n` copies of each rollout, each extended by its own sample, flattened rollout-major.
 
         Copies share `metadata["group_id"]` (the rollout's own, else its index here).
         """
         out = []
-        for i, (r, msgs) in enumerate(zip(rollouts, self.generate(rollouts, n), strict=True)):
+        for i, (r, msgs) in enumerate(zip(rollouts, self.generate(rollouts, n, adapter=adapter), strict=True)):
             for msg in msgs:
                 c = r.copy()
                 c.metadata.setdefault("group_id", i)
@@ -171,10 +220,18 @@ class ModelGenerate:
         return out
 
     # -- weight sync / colocation (no-ops for the HF backend, which generates with the live model)
-    def push_weights(self, model=None, mode: str = "merged") -> None:
+    def push_weights(self, model=None, mode: str = "merged", *, adapter: str | Sequence[str] | None = None) -> None:
         """Copy a training model's weights into the inference engine (vLLM; HF: nothing to copy) and bump
-        `policy_version`: the messages sampled next come from the new weights."""
-        self.backend.push_weights(model, mode)
+        `policy_version`: the messages sampled next come from the new weights.
+
+        adapter (with mode="adapter"): push these named adapters of a multi-adapter model, each
+        served under its own `LoRARequest` (`generate(..., adapter=name)` picks it)."""
+        if adapter is None:
+            self.backend.push_weights(model, mode)
+        else:
+            if mode != "adapter":
+                raise ValueError(f"push_weights(adapter={adapter!r}) needs mode='adapter', got mode={mode!r}")
+            self.backend.push_weights(model, mode, adapter=adapter)
         self.policy_version += 1
 
     def sleep(self, level: int = 1) -> None:

@@ -16,6 +16,7 @@ sampling settings are overridden (HF would otherwise apply e.g. its default top_
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -192,17 +193,25 @@ class HFBackend:
         ctx = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
         return int(ctx) if ctx else None
 
-    def generate(self, prompts: list[list[int]], n: int, seed: int | None) -> list[list[Sample]]:
+    def generate(self, prompts: list[list[int]], n: int, seed: int | None,
+                 adapter: str | None = None) -> list[list[Sample]]:
+        """`n` samples per prompt; `adapter`: with that LoRA adapter of a multi-adapter peft model active."""
+        from SimpleTorchLLMRL.model.adapters import use_adapter
+
         expanded = [p for p in prompts for _ in range(n)]  # prompt-major: p0 x n, p1 x n, ...
         step = self.batch_size or len(expanded)
         device = _device_of(self.model)
         was_training = self.model.training
         self.model.eval()
+        # A seeded call runs on a forked RNG (the global stream is left alone); an unseeded call
+        # draws from the global RNG, so consecutive calls give fresh samples.
+        forked = seed is not None
         try:
-            # A seeded call runs on a forked RNG (the global stream is left alone); an unseeded call
-            # draws from the global RNG, so consecutive calls give fresh samples.
-            forked = seed is not None
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], enabled=forked):
+            with contextlib.ExitStack() as stack:
+                if adapter is not None:
+                    stack.enter_context(use_adapter(self.model, adapter))
+                stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
+                                                          enabled=forked))
                 if forked:
                     torch.manual_seed(seed)
                 flat = []
@@ -267,7 +276,7 @@ class HFBackend:
             out.append(TopPLogitsWarper(top_p=cfg.top_p))
         return out
 
-    def push_weights(self, model=None, mode: str = "merged") -> None:
+    def push_weights(self, model=None, mode: str = "merged", adapter=None) -> None:
         if model is not None and model is not self.model:
             raise ValueError("the HF backend generates with its own model object; pass that model (or None)")
 

@@ -101,6 +101,10 @@ class VLLMBackend:
             raise ValueError(problem)
         self._adapter_dir: str | None = None
         self._adapter_id = 0
+        self.lora_requests: dict = {}  # adapter name -> LoRARequest (one per agent; see push_weights)
+        self._adapter_dirs: dict[str, str] = {}
+
+    mixed_adapters = True  # one generate call serves prompts of several adapters (one LoRARequest each)
 
     @property
     def logprob_temperature(self) -> float:
@@ -116,7 +120,17 @@ class VLLMBackend:
             logprobs=0, seed=seed, skip_special_tokens=True,
         )
 
-    def generate(self, prompts: list[list[int]], n: int, seed: int | None) -> list[list[Sample]]:
+    def _lora_for(self, adapter: str | None):
+        if adapter is None:
+            return self.lora_request
+        if adapter not in self.lora_requests:
+            raise ValueError(f"no adapter {adapter!r} was pushed to the engine (pushed: {sorted(self.lora_requests)}); "
+                             f"call push_weights(model, mode='adapter', adapter={adapter!r}) first")
+        return self.lora_requests[adapter]
+
+    def generate(self, prompts: list[list[int]], n: int, seed: int | None,
+                 adapter: str | list[str | None] | None = None) -> list[list[Sample]]:
+        """`n` samples per prompt; `adapter`: a pushed adapter's name, or one name (or None) per prompt."""
         from vllm.inputs import TokensPrompt
 
         # vLLM refuses n > 1 with greedy decoding: repeat the prompt instead.
@@ -125,7 +139,14 @@ class VLLMBackend:
         # vLLM seeds the j-th sample of a request with seed + j: stride so no two samples share a seed
         params = [self._sampling_params(per_request, None if seed is None else seed + i * per_request)
                   for i in range(len(requests))]
-        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
+        if isinstance(adapter, list):
+            if len(adapter) != len(prompts):
+                raise ValueError(f"{len(adapter)} adapters for {len(prompts)} prompts")
+            lora = [self._lora_for(a) for a in adapter for _ in range(reps)]
+            lora = None if all(x is None for x in lora) else lora
+        else:
+            lora = self._lora_for(adapter)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
         samples = [self._sample(c) for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         return [samples[i * n: (i + 1) * n] for i in range(len(prompts))]
 
@@ -141,11 +162,19 @@ class VLLMBackend:
         return Sample(ids, logprobs, reason, c.text)
 
     # -- weight sync and colocation
-    def push_weights(self, model, mode: str = "merged") -> None:
-        """mode "merged"/"full": load (merged) weights into the engine; "adapter": serve the peft adapter via LoRA."""
+    def push_weights(self, model, mode: str = "merged", adapter: str | list[str] | None = None) -> None:
+        """mode "merged"/"full": load (merged) weights into the engine; "adapter": serve the peft adapter via LoRA.
+
+        adapter (mode "adapter" only): the named adapters of a multi-adapter model, each exported to
+        its own directory and served under its own `LoRARequest` (`lora_requests[name]`)."""
         if model is None:
             raise ValueError("push_weights needs the training model whose weights to copy")
-        if mode == "adapter":
+        if adapter is not None:
+            if mode != "adapter":
+                raise ValueError(f"push_weights(adapter=...) needs mode='adapter', got {mode!r}")
+            for name in [adapter] if isinstance(adapter, str) else adapter:
+                self.lora_requests[name] = self._push_named_adapter(model, name)
+        elif mode == "adapter":
             self.lora_request = self._push_adapter(model)
         elif mode in ("merged", "full"):
             push_weights(self.llm, model)
@@ -164,6 +193,20 @@ class VLLMBackend:
             shutil.rmtree(old, ignore_errors=True)
         self._adapter_id += 1
         return LoRARequest(f"policy-{self._adapter_id}", self._adapter_id, path)
+
+    def _push_named_adapter(self, model, name: str):
+        """Adapter `name` to a fresh directory, served as LoRARequest(name, new id, dir) (vLLM caches by id)."""
+        from vllm.lora.request import LoRARequest
+
+        from SimpleTorchLLMRL.model.weight_sync import export_adapter
+
+        old = self._adapter_dirs.get(name)
+        self._adapter_dirs[name] = tempfile.mkdtemp(prefix=f"stllmrl-lora-{name}-")
+        path = export_adapter(model, self._adapter_dirs[name], adapter_name=name)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        self._adapter_id += 1
+        return LoRARequest(f"{name}-{self._adapter_id}", self._adapter_id, path)
 
     def sleep(self, level: int = 1) -> None:
         """Free GPU memory for training: level 1 offloads weights to CPU, level 2 discards them."""
