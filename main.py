@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     seed_everything(args.seed)
 
     # ---- 2. the pieces: env (calculator tool), reward, loss, optimizer
-    reward_fn = BoxedReward()  # 1.0 when the last \boxed{} equals the answer
+    reward_fn = BoxedReward()  # 1.0 when the \boxed{} answer equals the answer
     grpo = GRPO(model, tokenizer, group_size=args.group_size, temperature=args.temperature, beta=0.0)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)

@@ -42,7 +42,10 @@ def gold_answer(ground_truth: Any) -> str | None:
 
 
 class BoxedReward(Reward):
-    r"""Score the last `\boxed{}` of each rollout's final MODEL message against its ground truth.
+    r"""Score the `\boxed{}` answer of each rollout's final MODEL message against its ground truth.
+
+    The answer is the reply's complete boxes, distinct ones read as one list (as math-verify reads
+    them): boxing a wrong value beside the right one, or an unevaluated expression, earns nothing.
 
     correct / incorrect / no_answer: the values for a matching box, a wrong box,
     and no (or an empty) box or no MODEL message at all. `use_math_verify`:
