@@ -14,10 +14,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
+from fake_wandb import FakeWandb
 
 from SimpleTorchLLMRL.recipes.calculator.cli import DEFAULT_MODEL
 from SimpleTorchLLMRL.recipes.calculator.data import DatasetError, batch_at, check_rows, load_data, read_rows
@@ -286,22 +286,6 @@ def test_async_run_trains_with_bounded_staleness(tmp_path, capfd):
 # ---------------------------------------------------------------- issue 16: fail loudly, lose nothing
 
 
-class FakeWandb:
-    """Stands in for the wandb module (never the network): records each init."""
-
-    __spec__ = importlib.machinery.ModuleSpec("wandb", None)  # importlib.util.find_spec("wandb") asks for it
-
-    def __init__(self):
-        self.inits: list[dict] = []
-
-    def init(self, **kwargs):
-        self.inits.append(kwargs)
-        run = SimpleNamespace(id=kwargs.get("id") or f"run-{len(self.inits)}")
-        run.log = lambda row, step: None
-        run.finish = lambda: None
-        return run
-
-
 FINISHED = [*SMALL, "--steps", "2", "--checkpoint-every", "1", "--eval-every", "0", "--lora", "--lora-rank", "4",
             "--wandb"]
 
@@ -415,12 +399,12 @@ def test_a_resumed_run_continues_its_wandb_run(finished_run, tmp_path, capfd, mo
     first_id = finished_run[1].get("id")
     assert first_id is None  # a new run: W&B chose its id, stored in the checkpoints
     state = json.loads((out / "checkpoints" / "step-000002" / "state.json").read_text())
-    assert state["wandb_run_id"] == "run-1"
+    assert state["wandb_run_id"] == "run1"
     fake = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     code = load_main().main([*FINISHED, "--steps", "3", "--output-dir", str(out), "--resume"])
     assert code == 0, capfd.readouterr().err[-3000:]
-    assert fake.inits[0]["id"] == "run-1" and fake.inits[0]["resume"] == "allow"
+    assert fake.inits[0]["id"] == "run1" and fake.inits[0]["resume"] == "allow"
 
 
 def test_unequal_json_columns_are_one_line(tmp_path):

@@ -57,23 +57,8 @@ def extract_boxed(text: str | None) -> str | None:
     final box (a truncated generation) is skipped in favour of an earlier complete
     one. None when there is no box. Linear time in len(text).
     """
-    if not text:
-        return None
-    pairs = None
-    for m in reversed(list(_BOX_CMD.finditer(text))):
-        i = m.end()
-        while i < len(text) and text[i] in " \t":
-            i += 1
-        if i < len(text) and text[i] == "{":
-            pairs = _brace_pairs(text) if pairs is None else pairs
-            close = pairs.get(i)
-            if close is not None:
-                return text[i + 1: close].strip()
-            continue
-        arg = re.match(r"[^\s${}\\]+", text[i:i + 200])  # "\boxed 5" / "\boxed5": one plain token
-        if arg and arg.group(0).rstrip(".,;"):
-            return arg.group(0).rstrip(".,;")
-    return None
+    spans = _box_spans(text)
+    return spans[-1][2] if spans else None
 
 
 def _box_spans(text: str | None) -> list[tuple[int, int, str]]:
