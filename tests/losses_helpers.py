@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
@@ -90,3 +92,12 @@ def grads(model) -> dict[str, torch.Tensor]:
 def assert_grads_close(g1, g2, rtol=1e-4, atol=1e-6):
     for n in g1:
         torch.testing.assert_close(g1[n].double(), g2[n].double(), rtol=rtol, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def perturbed_copy(model, scale: float = 0.05):
+    """A reference model near `model`: a deep copy with N(0, scale^2) added to every weight."""
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return ref

@@ -75,6 +75,20 @@ def test_partial_and_corrupt_checkpoints_are_skipped(tmp_path, chatml_tokenizer)
         load_checkpoint(corrupt, model)
 
 
+@pytest.mark.parametrize("manifest", [b"\xff\xfe not utf-8 \x80", b"[]", b"{}", b'{"files": []}',
+                                      b'{"files": {"state.json": 3}}', b'{"files": {}}', b"null"])
+def test_a_manifest_of_any_bad_shape_is_corruption_and_falls_back(tmp_path, chatml_tokenizer, manifest):
+    model = tiny_model("qwen2", chatml_tokenizer)
+    good = save_checkpoint(tmp_path, 1, model, keep_last=None)
+    bad = save_checkpoint(tmp_path, 2, model, keep_last=None)
+    (bad / "MANIFEST.json").write_bytes(manifest)
+    assert verify_checkpoint(bad).startswith("unreadable manifest")
+    with pytest.warns(UserWarning, match="skipping checkpoint"):
+        assert latest_checkpoint(tmp_path) == good
+    with pytest.raises(ValueError, match="not usable"):
+        load_checkpoint(bad, model)
+
+
 def test_keep_last_prunes_old_checkpoints(tmp_path, chatml_tokenizer):
     model = tiny_model("qwen2", chatml_tokenizer)
     killed_mid_save = tmp_path / ".tmp-step-000001-99999"

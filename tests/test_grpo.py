@@ -12,6 +12,7 @@ from losses_helpers import (
     make_rollouts,
     multi_turn_rollout,
     naive_logprobs,
+    perturbed_copy,
     trained_positions,
     with_sampled_logprobs,
 )
@@ -74,10 +75,7 @@ def test_on_policy_gradient_is_advantage_weighted_logprob_gradient(qwen2_model, 
 def test_off_policy_loss_and_gradient_match_naive(loss_type, fused, qwen2_model, chatml_tokenizer):
     """Sampled log-probs shifted by -0.3: ratios exp(0.3) ~ 1.35 so the clips bind."""
     model, tok = qwen2_model, chatml_tokenizer
-    ref_model = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in ref_model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    ref_model = perturbed_copy(model)
     rollouts = with_sampled_logprobs(make_rollouts(2, 3), model, tok, temperature=1.0, shift=0.3)
     grpo = GRPO(model, tok, beta=0.1, ref_model=ref_model, loss_type=loss_type, group_size=3, max_tokens=40,
                 fused=fused)

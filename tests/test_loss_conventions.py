@@ -7,7 +7,14 @@ import warnings
 
 import pytest
 import torch
-from losses_helpers import batch_of, make_rollouts, naive_logprobs, trained_positions, with_sampled_logprobs
+from losses_helpers import (
+    batch_of,
+    make_rollouts,
+    naive_logprobs,
+    perturbed_copy,
+    trained_positions,
+    with_sampled_logprobs,
+)
 
 from SimpleTorchLLMRL.model.dropout import active_dropout, disable_dropout
 from SimpleTorchLLMRL.testing.tiny import tiny_model
@@ -84,10 +91,7 @@ def test_dr_grpo_normalizer_does_not_move_with_the_batch(qwen2_model, chatml_tok
 def test_kl_bias_correction_multiplies_the_kl_by_the_ratio(qwen2_model, chatml_tokenizer):
     """TRL's use_bias_correction_kl: per-token k3 KL x pi/pi_old, against a float64 reference."""
     model, tok = qwen2_model, chatml_tokenizer
-    ref_model = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in ref_model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    ref_model = perturbed_copy(model)
     rollouts = with_sampled_logprobs(make_rollouts(2, 3), model, tok, temperature=1.0, shift=0.3)
     rewards = torch.zeros(6)  # zero advantages: the loss is the KL term alone
     grpo = GRPO(model, tok, beta=0.1, ref_model=ref_model, loss_type="bnpo", group_size=3, kl_bias_correction=True)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -278,3 +281,227 @@ def test_async_run_trains_with_bounded_staleness(tmp_path, capfd):
     evals = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "eval/accuracy" in r]
     assert evals == [0, 4]  # the warm start, then the last step's evaluation from the background thread
     assert (out / "summary.md").exists() and (out / "samples.txt").exists()
+
+
+# ---------------------------------------------------------------- issue 16: fail loudly, lose nothing
+
+
+class FakeWandb:
+    """Stands in for the wandb module (never the network): records each init."""
+
+    __spec__ = importlib.machinery.ModuleSpec("wandb", None)  # importlib.util.find_spec("wandb") asks for it
+
+    def __init__(self):
+        self.inits: list[dict] = []
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        run = SimpleNamespace(id=kwargs.get("id") or f"run-{len(self.inits)}")
+        run.log = lambda row, step: None
+        run.finish = lambda: None
+        return run
+
+
+FINISHED = [*SMALL, "--steps", "2", "--checkpoint-every", "1", "--eval-every", "0", "--lora", "--lora-rank", "4",
+            "--wandb"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished 2-step LoRA run (checkpoints at steps 1 and 2) logged to a fake W&B; tests copy it."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    fake = FakeWandb()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "wandb", fake)
+        assert load_main().main([*FINISHED, "--output-dir", str(out)]) == 0
+    return out, fake.inits[0]
+
+
+def _copy_run(finished_run, tmp_path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(finished_run[0], out)
+    return out
+
+
+def _snapshot(path: Path) -> dict:
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None)
+            for p in sorted(path.rglob("*"))}
+
+
+def _refused(argv, out: Path, capfd, expected: str) -> str:
+    """main(argv) exits 2 with one line naming `expected`, and `out` is untouched."""
+    before = _snapshot(out)
+    code = load_main().main(argv)
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("main.py: error: ") and expected in lines[0], err
+    assert _snapshot(out) == before
+    return lines[0]
+
+
+@needs_asset
+@pytest.mark.parametrize("flag, value", [("--lora-alpha", "8"), ("--lora-rank", "8"), ("--seed", "1")])
+def test_resume_compares_every_weight_shaping_flag_before_loading(finished_run, tmp_path, capfd, flag, value):
+    out = _copy_run(finished_run, tmp_path)
+    argv = [*(a for a in FINISHED if a != "--wandb"), "--output-dir", str(out), "--resume", flag, value]
+    line = _refused(argv, out, capfd, flag)
+    assert "checkpointed run" in line and "size mismatch" not in line
+
+
+@needs_asset
+def test_resume_refuses_another_architecture_under_the_same_model_path(tmp_path, capfd):
+    model = tmp_path / "model"
+    shutil.copytree(MODEL, model)
+    out = tmp_path / "run"
+    argv = [*SMALL, "--model", str(model), "--steps", "1", "--eval-every", "0", "--eval-size", "2",
+            "--output-dir", str(out)]
+    assert load_main().main(argv) == 0
+    config = json.loads((model / "config.json").read_text())
+    config["num_hidden_layers"] = 2
+    (model / "config.json").write_text(json.dumps(config))
+    capfd.readouterr()
+    line = _refused([*argv, "--resume"], out, capfd, "num_hidden_layers 3 -> 2")
+    assert "architecture" in line
+
+
+@needs_asset
+def test_every_checkpoint_corrupt_is_refused_unless_restart(finished_run, tmp_path, capfd):
+    out = _copy_run(finished_run, tmp_path)
+    for ckpt in (out / "checkpoints").iterdir():
+        with open(ckpt / "model.safetensors", "r+b") as f:
+            f.seek(64)
+            f.write(b"\x00\xff\x00\xff")
+    argv = [*FINISHED, "--steps", "3", "--output-dir", str(out)]
+    _refused([*argv, "--resume"], out, capfd, "--restart")
+    old_rows = read_metrics(out / "metrics.jsonl")
+    code = load_main().main([*argv, "--steps", "1", "--restart"])
+    assert code == 0, capfd.readouterr().err[-3000:]
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if "train/reward" in r] == [1] and rows != old_rows
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]
+
+
+@needs_asset
+def test_resume_with_fewer_steps_than_the_checkpoint_is_refused(finished_run, tmp_path, capfd):
+    out = _copy_run(finished_run, tmp_path)
+    _refused([*FINISHED, "--steps", "1", "--output-dir", str(out), "--resume"], out, capfd, "--steps 1")
+
+
+@needs_asset
+def test_resuming_a_finished_run_without_its_metrics_keeps_its_curves(finished_run, tmp_path, capfd):
+    out = _copy_run(finished_run, tmp_path)
+    (out / "metrics.jsonl").unlink()
+    curves, summary = (out / "curves.png").read_bytes(), (out / "summary.md").read_text()
+    code = load_main().main([*FINISHED, "--output-dir", str(out), "--resume"])
+    captured = capfd.readouterr()
+    assert code == 0, captured.err[-3000:]
+    assert (out / "curves.png").read_bytes() == curves and (out / "summary.md").read_text() == summary
+    assert "holds no evaluation" in captured.out
+
+
+@needs_asset
+def test_a_bad_middle_line_of_the_log_refuses_resume_naming_it(finished_run, tmp_path, capfd):
+    out = _copy_run(finished_run, tmp_path)
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    lines[1] = '{"step": 1, "train/rew\n'
+    (out / "metrics.jsonl").write_text("".join(lines))
+    _refused([*FINISHED, "--steps", "3", "--output-dir", str(out), "--resume"], out, capfd, "line 2")
+
+
+@needs_asset
+def test_a_resumed_run_continues_its_wandb_run(finished_run, tmp_path, capfd, monkeypatch):
+    out = _copy_run(finished_run, tmp_path)
+    first_id = finished_run[1].get("id")
+    assert first_id is None  # a new run: W&B chose its id, stored in the checkpoints
+    state = json.loads((out / "checkpoints" / "step-000002" / "state.json").read_text())
+    assert state["wandb_run_id"] == "run-1"
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    code = load_main().main([*FINISHED, "--steps", "3", "--output-dir", str(out), "--resume"])
+    assert code == 0, capfd.readouterr().err[-3000:]
+    assert fake.inits[0]["id"] == "run-1" and fake.inits[0]["resume"] == "allow"
+
+
+def test_unequal_json_columns_are_one_line(tmp_path):
+    (tmp_path / "cols.json").write_text(json.dumps({"question": ["a", "b", "c"], "answer": ["1", "2"]}))
+    with pytest.raises(DatasetError, match="columns differ in length.*'question' has 3, 'answer' has 2"):
+        read_rows(str(tmp_path / "cols.json"))
+
+
+def test_more_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, tiny_model_dir, capfd):
+    long_rows = tmp_path / "long.jsonl"
+    rows = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(9)]
+    rows.insert(4, {"question": "What is " + " + ".join(["1"] * 1500) + "?", "answer": "1500"})
+    long_rows.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cases = {
+        "row over the context": (["--dataset", str(long_rows)], "over the model's context of 2048 tokens"),
+        "pass-k unbounded": (["--pass-k", "1000000"], "--pass-k must be <= 64"),
+        "output dir under /proc": (["--output-dir", "/proc/simpletorchllmrl-test/out"], "is not writable"),
+        "resume and restart": (["--resume", "--restart"], "exclusive"),
+    }
+    if os.geteuid() != 0:  # root writes into a mode-555 directory anyway
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o555)
+        cases["output dir under a read-only parent"] = (["--output-dir", str(locked / "new" / "out")],
+                                                        "is not writable")
+    main = load_main()
+    for name, (argv, expected) in cases.items():
+        if "--output-dir" not in argv:
+            argv = [*argv, "--output-dir", str(tmp_path / "out")]
+        before = sorted(p.name for p in tmp_path.iterdir())
+        code = main.main(["--model", str(tiny_model_dir), *argv])
+        lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and expected in lines[0], (name, lines)
+        assert sorted(p.name for p in tmp_path.iterdir()) == before, name
+
+
+def test_help_documents_restart_and_the_pass_k_bound():
+    from SimpleTorchLLMRL.recipes.calculator.cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "--restart" in text and "start over from step 0" in text and "at most 64" in text
+    assert "143 / 130 stopped by SIGTERM / SIGINT" in text
+
+
+def test_a_second_signal_stops_at_once():
+    script = ("import os, signal, sys, time\n"
+              "from SimpleTorchLLMRL.recipes.calculator.train_loop import StopOnSignal\n"
+              "with StopOnSignal() as stop:\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(0.2)\n"
+              "    assert stop.requested and stop.exit_status == 143\n"
+              "    print('asked to stop', flush=True)\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(30)\n"
+              "print('survived the second signal', flush=True)\n")
+    res = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.stdout.strip() == "asked to stop" and res.returncode == -signal.SIGTERM, res
+    assert "stopping after this step" in res.stderr
+
+
+@pytest.mark.slow
+@needs_asset
+def test_sigterm_stops_at_the_step_boundary_with_a_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), *SMALL, "--steps", "200", "--eval-every", "0",
+                             "--checkpoint-every", "0", "--output-dir", str(out)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not (out / "metrics.jsonl").exists() or '"train/reward"' not in (out / "metrics.jsonl").read_text():
+            assert proc.poll() is None and time.time() < deadline, "no training step logged"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    assert "SIGTERM: stopping after this step" in err
+    last = max(r["step"] for r in read_metrics(out / "metrics.jsonl") if "train/reward" in r)
+    assert last < 200
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step-{last:06d}"]  # the step it stopped at
+    assert not (out / "final").exists()

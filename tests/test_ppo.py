@@ -1,6 +1,5 @@
 """PPO: value head alignment, GAE targets, the value head actually trains."""
 
-import copy
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from losses_helpers import (
     make_rollouts,
     multi_turn_rollout,
     naive_logprobs,
+    perturbed_copy,
     trained_positions,
 )
 
@@ -43,10 +43,7 @@ def test_value_loss_decreases_on_a_fixed_batch(qwen2_model, chatml_tokenizer):
 
 def test_prepared_targets_match_naive_gae_and_values_align(qwen2_model, chatml_tokenizer):
     model, tok = qwen2_model, chatml_tokenizer
-    ref_model = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in ref_model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    ref_model = perturbed_copy(model)
     rollouts = [*make_rollouts(1, 2), multi_turn_rollout()]
     r = torch.tensor([1.0, -1.0, 0.5])
     ppo = PPO(model, tok, beta=0.1, ref_model=ref_model, gamma=0.9, lam=0.8, whiten_advantages=False)

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from SimpleTorchLLMRL import RolloutWriter, load_rollouts, save_rollouts
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+from SimpleTorchLLMRL.chat.rollout_io import RolloutWriter, load_rollouts, save_rollouts
 from SimpleTorchLLMRL.chat.tokenize import encode_rollouts
 from SimpleTorchLLMRL.env.async_rollouts import AsyncProducer, RolloutQueue
 from SimpleTorchLLMRL.model.generate import ModelGenerate
@@ -182,3 +182,11 @@ def test_producer_applies_published_weights_between_batches():
     assert queue.get(current_version=1, timeout=10)[0][1].policy_version == 1
     producer.stop()
     assert applied == [7.0] and seen == [0, 1]
+
+
+def test_writers_create_the_folder(tmp_path):
+    rollout = Rollout([Message("hi", MessageType.MESSAGE)])
+    with RolloutWriter(tmp_path / "run" / "rollouts.jsonl") as w:
+        w.write([rollout])
+    save_rollouts(tmp_path / "other" / "step_1.jsonl", [rollout])
+    assert len(load_rollouts(tmp_path / "run" / "rollouts.jsonl")) == len(load_rollouts(tmp_path / "other" / "step_1.jsonl")) == 1

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import json
 import math
+import sys
+import types
 
 import pytest
 import torch
 
 from SimpleTorchLLMRL.utils.checkpoint import load_checkpoint, save_checkpoint, save_pretrained_atomic
 from SimpleTorchLLMRL.utils.jsonl import jsonl_records, read_jsonl
+from SimpleTorchLLMRL.utils.metrics import MetricsLogger
 from SimpleTorchLLMRL.utils.training import NonFiniteError, clipped_step, warmup_constant
 
 # ----------------------------------------------------------------------------- JSONL
@@ -121,3 +125,34 @@ def test_save_pretrained_atomic_replaces_whole_or_not_at_all(tmp_path):
     save_pretrained_atomic(_Saves(), None, final)
     assert json.loads((final / "config.json").read_text()) == {"new": True}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+class FakeWandb:
+    """Stands in for the wandb module: records init calls, never touches the network."""
+
+    __spec__ = importlib.machinery.ModuleSpec("wandb", None)  # importlib.util.find_spec("wandb") asks for it
+
+    def __init__(self):
+        self.inits: list[dict] = []
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        run = types.SimpleNamespace(id=kwargs.get("id") or f"run{len(self.inits)}", logged=[])
+        run.log = lambda row, step: run.logged.append((step, row))
+        run.finish = lambda: None
+        return run
+
+
+def test_metrics_logger_resumes_the_given_wandb_run(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    first = MetricsLogger(tmp_path, use_wandb=True, console=False, wandb_mode="offline")
+    run_id = first.wandb_run_id
+    assert run_id == "run1" and "id" not in fake.inits[0]  # a new run: W&B picks the id
+    first.close()
+    again = MetricsLogger(tmp_path, use_wandb=True, console=False, append=True, run_id=run_id,
+                          wandb_mode="offline")
+    assert fake.inits[1]["id"] == run_id and fake.inits[1]["resume"] == "allow"
+    assert again.wandb_run_id == run_id
+    again.close()
+    assert MetricsLogger(tmp_path / "plain", console=False).wandb_run_id is None

@@ -51,6 +51,7 @@ def save_rollouts(path, rollouts: Iterable[Rollout], skip_metadata: Iterable[str
     """Write rollouts to .jsonl (one per line) or .parquet (one row per rollout), atomically."""
     path = Path(path)
     records = [rollout_to_dict(r, skip_metadata) for r in rollouts]
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     if _kind(path) == "jsonl":
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
@@ -82,6 +83,7 @@ class RolloutWriter:
         if _kind(self.path) != "jsonl":
             raise ValueError(f"{self.path}: RolloutWriter appends to .jsonl files only")
         self.skip_metadata = tuple(skip_metadata)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
 
     def write(self, rollouts: Iterable[Rollout]) -> None:

@@ -177,16 +177,35 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
     if not manifest.exists():
         return "no manifest (partial write)"
     try:
-        files = json.loads(manifest.read_text())["files"]
-    except (json.JSONDecodeError, KeyError) as e:
-        return f"unreadable manifest ({e})"
-    for name, meta in files.items():
+        files = json.loads(manifest.read_bytes().decode("utf-8"))["files"]
+        entries = [(name, int(meta["bytes"]), str(meta["sha256"])) for name, meta in files.items()]
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as e:
+        # not UTF-8, not JSON, or not {"files": {name: {"bytes": n, "sha256": hex}}} (e.g. `[]`)
+        return f"unreadable manifest ({type(e).__name__}: {e})"
+    if not entries or "state.json" not in files:
+        return "unreadable manifest (it lists no state.json)"
+    for name, size, digest in entries:
         p = path / name
-        if not p.exists():
+        if Path(name).name != name or not p.is_file():
             return f"missing {name}"
-        if p.stat().st_size != meta["bytes"] or _sha256(p) != meta["sha256"]:
+        if p.stat().st_size != size or _sha256(p) != digest:
             return f"{name} does not match its manifest"
     return None
+
+
+def checkpoint_dirs(directory: str | os.PathLike) -> list[Path]:
+    """Every `step-*` directory under `directory`, newest first, complete or not."""
+    root = Path(directory)
+    return _candidates(root) if root.is_dir() else []
+
+
+def read_checkpoint_state(path: str | os.PathLike) -> dict[str, Any]:
+    """state.json of a verified checkpoint, without loading any weights (to compare a run's settings first)."""
+    path = Path(path)
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise ValueError(f"checkpoint {path} is not usable: {problem}")
+    return json.loads((path / "state.json").read_text(encoding="utf-8"))
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:

@@ -44,10 +44,13 @@ class MetricsLogger:
                  project: str = "SimpleTorchLLMRL", run_name: str | None = None,
                  config: Mapping[str, Any] | None = None, console: bool = True, append: bool = False,
                  console_keys: Iterable[str] | None = None, console_prefix: str = "",
-                 print_fn: Callable[[str], None] | None = None, wandb_mode: str | None = None):
+                 print_fn: Callable[[str], None] | None = None, wandb_mode: str | None = None,
+                 run_id: str | None = None):
         """console_keys: show only metrics whose last "/" part is one of these (None: all);
         print_fn: where console lines go (default: tqdm.write); wandb_mode: "online", "offline"
-        or "disabled" (default: $WANDB_MODE, else online with a login and offline without)."""
+        or "disabled" (default: $WANDB_MODE, else online with a login and offline without);
+        run_id: the W&B run to continue (`wandb.init(id=run_id, resume="allow")`), e.g. the
+        `wandb_run_id` of the logger of the run being resumed."""
         self.console = console
         self.console_keys = None if console_keys is None else frozenset(console_keys)
         self.console_prefix, self.print_fn = console_prefix, print_fn or _write_console
@@ -64,8 +67,14 @@ class MetricsLogger:
             except ImportError as e:  # pragma: no cover - wandb is a runtime dependency
                 raise ImportError("wandb logging needs the wandb package: uv sync") from e
             mode = wandb_mode or os.environ.get("WANDB_MODE") or ("online" if _has_wandb_login() else "offline")
+            same_run = {"id": run_id, "resume": "allow"} if run_id else {}
             self._wandb_run = wandb.init(project=project, name=run_name, config=dict(config or {}), mode=mode,
-                                         dir=str(output_dir) if output_dir else None)
+                                         dir=str(output_dir) if output_dir else None, **same_run)
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        """The W&B run's id (store it to resume the same run), None without W&B."""
+        return getattr(self._wandb_run, "id", None)
 
     def log(self, step: int, metrics: Mapping[str, Any], *, prefix: str = "") -> dict[str, Any]:
         row = {f"{prefix}{k}": _plain(v) for k, v in metrics.items()}

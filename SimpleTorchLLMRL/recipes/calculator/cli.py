@@ -15,12 +15,14 @@ import importlib.util
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 
 DEFAULT_MODEL = TINY_CALC
 BACKENDS = ("hf", "vllm")
+MAX_PASS_K = 64  # pass@k samples k episodes per problem at every evaluation; more would dwarf training
 
 
 class UsageError(Exception):
@@ -30,7 +32,10 @@ class UsageError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="main.py",
-        description="GRPO with a calculator tool: rollouts -> rewards -> GRPO loss -> optimizer step.")
+        description="GRPO with a calculator tool: rollouts -> rewards -> GRPO loss -> optimizer step.",
+        epilog="exit status: 0 done; 2 bad input (one line, nothing written); 3 a non-finite update (nothing "
+               "saved); 143 / 130 stopped by SIGTERM / SIGINT after the step in progress and a checkpoint "
+               "(continue with --resume; a second signal stops at once)")
     p.add_argument("--model", default=str(DEFAULT_MODEL),
                    help="HF model id or local path (default: the embedded tiny model)")
     p.add_argument("--dataset", default=None,
@@ -51,11 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=40, help="tokens per assistant turn")
     p.add_argument("--max-turns", type=int, default=2, help="assistant turns per episode")
     p.add_argument("--output-dir", default="outputs/main")
-    p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest complete checkpoint; refused (exit 2, nothing touched) when a "
+                        "flag that shapes the weights or the data differs, or when every checkpoint is corrupt")
+    p.add_argument("--restart", action="store_true",
+                   help="start over from step 0 in an --output-dir that holds a run: its checkpoints/ and final/ "
+                        "are deleted and metrics.jsonl rewritten (e.g. when every checkpoint is corrupt)")
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (0: only the last)")
     p.add_argument("--eval-every", type=int, default=5, help="steps between evaluations (0: first and last)")
     p.add_argument("--eval-size", type=int, default=200, help="held-out problems for greedy accuracy")
-    p.add_argument("--pass-k", type=int, default=4, help="k of pass@k (k samples per problem)")
+    p.add_argument("--pass-k", type=int, default=4,
+                   help=f"k of pass@k (k samples per problem), at most {MAX_PASS_K}: each evaluation samples "
+                        "k x --pass-k-size episodes")
     p.add_argument("--pass-k-size", type=int, default=50, help="held-out problems for pass@k")
     p.add_argument("--wandb", action="store_true", help="log to Weights & Biases (offline without a login)")
     p.add_argument("--seed", type=int, default=0)
@@ -96,16 +108,21 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--temperature must be > 0, got {args.temperature}")
     if not args.lora_alpha > 0:
         raise UsageError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
+    if args.pass_k > MAX_PASS_K:
+        raise UsageError(f"--pass-k must be <= {MAX_PASS_K} (k episodes per problem at every evaluation), "
+                         f"got {args.pass_k}")
+    if args.resume and args.restart:
+        raise UsageError("--resume and --restart are exclusive (continue the run, or start it over)")
     if args.lora and args.qlora:
         raise UsageError("--lora and --qlora are exclusive (--qlora already trains LoRA adapters)")
     if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UsageError("--backend vllm needs the vllm extra: run `uv sync --extra vllm` (and a CUDA GPU)")
-    check_output_dir(Path(args.output_dir), args.resume)
+    check_output_dir(Path(args.output_dir), args.resume or args.restart)
     check_model_path(args.model)
 
 
 def check_output_dir(out: Path, resume: bool) -> None:
-    """A directory we may write into: not a file, and not another run's unless resuming it."""
+    """A directory we may write into: not a file, and not another run's unless resuming (or restarting) it."""
     for parent in [out, *out.parents]:
         if parent.exists() and not parent.is_dir():
             raise UsageError(f"--output-dir {out}: {parent} is a file, not a directory")
@@ -113,9 +130,26 @@ def check_output_dir(out: Path, resume: bool) -> None:
         taken = [n for n in ("metrics.jsonl", "checkpoints", "final") if (out / n).exists()]
         if taken:
             raise UsageError(f"--output-dir {out} already holds a run ({', '.join(taken)}); "
-                             "pass --resume to continue it or choose another --output-dir")
-    if out.exists() and not os.access(out, os.W_OK):
-        raise UsageError(f"--output-dir {out} is not writable")
+                             "pass --resume to continue it, --restart to start it over, or choose another "
+                             "--output-dir")
+    existing = next(p for p in [out, *out.parents] if p.exists())  # what we would create `out` (or write) in
+    if not writable(existing):
+        what = "is not writable" if existing == out else f"cannot be created: {existing} is not writable"
+        raise UsageError(f"--output-dir {out} {what}")
+
+
+def writable(directory: Path) -> bool:
+    """Whether a file can be created in `directory` (tried, then removed: os.access is True for root even
+    on a read-only mount)."""
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return False
+    try:
+        fd, name = tempfile.mkstemp(prefix=".write-test-", dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(name)
+    return True
 
 
 def looks_like_path(name: str) -> bool:

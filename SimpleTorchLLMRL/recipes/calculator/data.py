@@ -57,6 +57,9 @@ def _parse_json(text: str, spec: str, as_lines: bool) -> list[dict]:
             data = data.get("data", data)
         if isinstance(data, dict):
             cols = {k: v for k, v in data.items() if isinstance(v, list)}
+            if len({len(v) for v in cols.values()}) > 1:
+                sizes = ", ".join(f"{k!r} has {len(v)}" for k, v in cols.items())
+                raise DatasetError(f"--dataset {spec}: its columns differ in length ({sizes})")
             data = [dict(zip(cols, vals, strict=True)) for vals in zip(*cols.values(), strict=True)] if cols else []
         if not isinstance(data, list):
             raise DatasetError(f"--dataset {spec}: expected a list of objects")
@@ -144,3 +147,48 @@ def batch_at(rows: list[dict], position: int, batch_size: int, seed: int) -> lis
         epoch, i = divmod(p, n)
         out.append(rows[epoch_order(n, epoch, seed)[i]])
     return out
+
+
+def check_prompt_lengths(rows: list[dict], prompt_length, budget: int, context: int | None, spec: str | None,
+                         question_length=None) -> None:
+    """DatasetError naming the first row whose prompt plus `budget` new tokens overflows `context`.
+
+    prompt_length(question) -> exact prompt tokens. question_length(questions) -> a cheap token
+    count of each question (one batched tokenizer call): the prompt's overhead is measured once and
+    only rows within a margin of the limit are measured exactly, so 20,000 rows cost well under a second.
+    """
+    if context is None or not rows:
+        return
+    questions = [r["question"] for r in rows]
+    candidates = range(len(rows))
+    if question_length is not None:
+        cheap = question_length(questions)
+        overhead = prompt_length(questions[0]) - cheap[0]
+        margin = 16  # tokenization at the template's seams may differ by a few tokens
+        candidates = [i for i, n in enumerate(cheap) if n + overhead + budget > context - margin]
+    for i in candidates:
+        n = prompt_length(questions[i])
+        if n + budget > context:
+            q = questions[i] if len(questions[i]) <= 40 else questions[i][:37] + "..."
+            raise DatasetError(f"--dataset {spec or '(synthetic)'}: the question {q!r} makes a prompt of {n} "
+                               f"tokens; with --max-new-tokens {budget} that is over the model's context of "
+                               f"{context} tokens (drop or shorten that row, or lower --max-new-tokens)")
+
+
+def check_context(rows: list[dict], env, tokenizer, model, max_new_tokens: int, spec: str | None) -> None:
+    """Every row's first prompt (system prompt, tools, question) plus `max_new_tokens` fits the model's
+    context: checked at load, not when the row's batch comes up mid-run."""
+    from SimpleTorchLLMRL.chat.message import Rollout
+    from SimpleTorchLLMRL.chat.tokenize import encode_prompt
+
+    tools = getattr(env, "tools", None)
+
+    def prompt_length(question: str) -> int:
+        msgs, _ = env.setup(question, None)
+        return len(encode_prompt(Rollout(list(msgs), {"tools": tools} if tools is not None else {}), tokenizer))
+
+    def question_length(questions: list[str]) -> list[int]:
+        return [len(ids) for ids in tokenizer(questions, add_special_tokens=False)["input_ids"]]
+
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    check_prompt_lengths(rows, prompt_length, max_new_tokens, context, spec, question_length)

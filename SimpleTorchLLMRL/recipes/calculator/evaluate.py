@@ -108,3 +108,13 @@ def summary_table(rows: Sequence[dict], k: int) -> str:
         cells = [str(r["step"])] + [f"{r[key]:.3f}" if isinstance(r.get(key), float) else "-" for key, _ in cols[1:]]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+def accuracy_change(rows: Sequence[dict], steps: int) -> str | None:
+    """"held-out greedy accuracy: first -> last (+x points) after N steps", None without evaluations."""
+    evals = [r for r in rows if r.get("eval/accuracy") is not None]
+    if not evals:
+        return None
+    first, final = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
+    return (f"held-out greedy accuracy: {first:.3f} -> {final:.3f} ({(final - first) * 100:+.1f} points) "
+            f"after {steps} steps")

@@ -11,6 +11,9 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
+import sys
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -114,3 +117,52 @@ class BackgroundEval:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+class StopOnSignal:
+    """SIGTERM / SIGINT during the loop: the first asks it to stop at the next step boundary, the second
+    stops the process at once (the signal's default action). The previous handlers come back on exit.
+
+        with StopOnSignal() as stop:
+            for step in steps:
+                ...                                   # the step runs to its end
+                if stop.requested: save a checkpoint; break
+        return stop.exit_status                       # 128 + the signal: 143 for SIGTERM, 130 for SIGINT
+
+    Handlers can only be set from the main thread; elsewhere this does nothing.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, prog: str = "main.py"):
+        self.prog = prog
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + (self.signum or 0)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:  # the second signal: stop now (checkpoints and final/ are atomic)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+        print(f"\n{self.prog}: {signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
+              "(send it again to stop at once)", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
