@@ -90,7 +90,7 @@ def plot(results: dict, out: Path) -> None:
         ax.legend(fontsize=7)
     cfg = results["config"]
     if "shapes" in cfg:
-        work = "; ".join(f"{sh}: {c['prompts']} prompts x {cfg['group']} completions x {c['new_tokens']} new tokens, "
+        work = "\n" + "; ".join(f"{sh}: {c['prompts']} prompts x {cfg['group']} completions x {c['new_tokens']} new tokens, "
                          f"median of {c['runs']} processes" for sh, c in cfg["shapes"].items())
     else:
         work = (f"{cfg['prompts']} prompts x {cfg['group']} completions, {cfg['new_tokens']} new tokens, "
