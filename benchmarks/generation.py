@@ -47,6 +47,10 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     args = ap.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("generation.py: CUDA is not available, nothing measured (run it on a machine with a GPU, "
+              "or use --device cpu).")
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
 

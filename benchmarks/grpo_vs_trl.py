@@ -1,19 +1,27 @@
 """One GRPO step, SimpleTorchLLMRL vs TRL's `GRPOTrainer`, at equal work on CPU.
 
-Legend: V vocab, B = 16 prompts x 4 completions = 64 sequences, N = 64 new tokens.
+Legend: V vocab, B = prompts x completions sequences, N new tokens.
 
-Both sides: the same tiny random-init Qwen2 (2 layers, hidden 64, tied
-embeddings) and tokenizer (`SimpleTorchLLMRL.testing.tiny`, ChatML), the same 16 prompts,
-4 completions each, exactly 64 new tokens (TRL: `min_new_tokens=64`; ours: an
+Two model shapes (`--shape`, both random init from a config, nothing downloaded):
+
+    tiny          Qwen2, 2 layers, hidden 64, tied embeddings, V from --vocab (512 and 151,936);
+                  16 prompts x 4 completions = 64 sequences, N = 64
+    qwen2.5-0.5b  the public Qwen2.5-0.5B config (24 layers, hidden 896, intermediate 4864,
+                  14 heads / 2 KV heads, V = 151,936, tied embeddings, rope theta 1e6,
+                  RMSNorm eps 1e-6; 494M parameters); 4 prompts x 4 completions = 16
+                  sequences, N = 32 (sized for a 2-core CPU)
+
+Both sides: the same model and tokenizer (`SimpleTorchLLMRL.testing.tiny`, ChatML), the same prompts,
+4 completions each, exactly N new tokens (TRL: `min_new_tokens=N`; ours: an
 end-of-turn id outside the vocabulary, so no row stops early), temperature
 1.0, HF `generate` on both sides, beta=0 (no reference pass), a constant
 reward, float32 (TRL's bf16 and gradient checkpointing defaults are turned
 off), fused AdamW (lr 1e-6, no weight decay) with grad-norm clipping at 1.0,
-one optimizer step per 64 completions.
+one optimizer step per B completions.
 
-Each (variant, vocab) runs in a fresh process: build, one untimed warm-up
-step, then timed steps (5 at the small vocabulary, where a step is short and
-noisy, 1 at 151,936; the process reports their median), then `ru_maxrss`.
+Each (variant, case) runs in a fresh process: build, one untimed warm-up
+step, then timed steps (5 at the tiny shape with V=512, where a step is short and
+noisy, 1 otherwise; the process reports their median), then `ru_maxrss`.
 `--runs` processes per variant, interleaved ours/TRL so that machine load hits
 both alike; the medians over processes are reported. Times are CPU seconds
 (`process_time`, 1 torch thread: robust to waiting for a shared core) and wall
@@ -30,7 +38,8 @@ Phases of the timed step:
 trl lives in the `bench` dependency group, in its own environment:
 
     UV_PROJECT_ENVIRONMENT=/tmp/benchvenv uv sync --group bench
-    UV_PROJECT_ENVIRONMENT=/tmp/benchvenv uv run --group bench python benchmarks/grpo_vs_trl.py
+    UV_PROJECT_ENVIRONMENT=/tmp/benchvenv uv run --group bench python benchmarks/grpo_vs_trl.py \
+        --shape tiny qwen2.5-0.5b --runs 5 --runs-large 3
 """
 
 from __future__ import annotations
@@ -47,8 +56,31 @@ from pathlib import Path
 
 PHASES = ("generate", "old_logprobs", "loss_backward", "optimizer", "total")
 CLOCKS = ("wall", "cpu")  # perf_counter and process_time: with 1 thread, CPU seconds do not count waiting for a core
-NUM_PROMPTS, GROUP, NEW_TOKENS, LR = 16, 4, 64, 1e-6
+GROUP, LR = 4, 1e-6
 DEFAULT_VOCABS = (151_936, 512)
+QWEN25_05B = dict(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32_768,
+                  rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
+                  use_sliding_window=False, sliding_window=32_768, max_window_layers=24, attention_dropout=0.0,
+                  initializer_range=0.02)
+# shape -> (prompts, new tokens, model description)
+SHAPES = {"tiny": (16, 64, "Qwen2 random init, 2 layers, hidden 64, tied embeddings"),
+          "qwen2.5-0.5b": (4, 32, "Qwen2.5-0.5B config, random init: 24 layers, hidden 896, 14/2 heads, "
+                                  "V=151,936, tied embeddings (494M parameters)")}
+NUM_PROMPTS, NEW_TOKENS = SHAPES["tiny"][:2]  # set per process by _set_shape
+
+
+def _set_shape(shape: str) -> None:
+    global NUM_PROMPTS, NEW_TOKENS
+    NUM_PROMPTS, NEW_TOKENS = SHAPES[shape][:2]
+
+
+def case_key(shape: str, vocab: int) -> str:
+    return f"tiny-{vocab}" if shape == "tiny" else shape
+
+
+def case_label(key: str) -> str:
+    return f"tiny V={int(key.split('-')[1]):,}" if key.startswith("tiny-") else f"{key} V=151,936"
 RESULTS = Path(__file__).resolve().parent / "results" / "grpo_vs_trl.json"
 
 
@@ -107,12 +139,22 @@ class _Profile:
             self.prof.dump_stats(self.path)
 
 
-def _build(vocab: int):
+def _build(vocab: int, shape: str = "tiny"):
     from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
     tok = tiny_tokenizer("chatml")
-    model = tiny_model("qwen2", tok, vocab_size=vocab, hidden_size=64, num_layers=2)
-    return tok, model
+    if shape == "tiny":
+        return tok, tiny_model("qwen2", tok, vocab_size=vocab, hidden_size=64, num_layers=2)
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(**QWEN25_05B, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         bos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return tok, model.eval()
 
 
 class _Timers:
@@ -139,16 +181,16 @@ class _Timers:
         return dict(self.acc)
 
 
-def run_ours(vocab: int, steps: int = 2, profile: str | None = None) -> dict:
+def run_ours(vocab: int, steps: int = 2, profile: str | None = None, shape: str = "tiny") -> dict:
     import torch
 
     from SimpleTorchLLMRL.chat.message import Message, Rollout
     from SimpleTorchLLMRL.model.generate import ModelGenerate
     from SimpleTorchLLMRL.trainer.GRPO import GRPO
 
-    tok, model = _build(vocab)
+    tok, model = _build(vocab, shape)
     gen = ModelGenerate(model, tok, max_new_tokens=NEW_TOKENS, temperature=1.0,
-                        eos_token_ids=[vocab + 7])  # never sampled: every row runs 64 tokens, like min_new_tokens
+                        eos_token_ids=[vocab + 7])  # never sampled: every row runs N tokens, like min_new_tokens
     grpo = GRPO(model, tok, beta=0.0, group_size=GROUP, temperature=1.0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
     base = [Rollout([Message(p)]) for p in prompts()]
@@ -162,7 +204,7 @@ def run_ours(vocab: int, steps: int = 2, profile: str | None = None) -> dict:
         prof.start(step)
         acc0 = timers.snapshot()
         c0 = _clock()
-        rollouts = gen.group_rollout_generate_response(base, n=GROUP)  # 64 rollouts
+        rollouts = gen.group_rollout_generate_response(base, n=GROUP)  # B rollouts
         c1 = _clock()
         rewards = torch.tensor(constant_reward(completions=rollouts))
         tb = grpo.prepare(rollouts, rewards)
@@ -187,7 +229,7 @@ def run_ours(vocab: int, steps: int = 2, profile: str | None = None) -> dict:
     return {**setup, "steps": steps_out}
 
 
-def run_trl(vocab: int, steps: int = 2, profile: str | None = None) -> dict:
+def run_trl(vocab: int, steps: int = 2, profile: str | None = None, shape: str = "tiny") -> dict:
     import tempfile
 
     import torch
@@ -195,7 +237,7 @@ def run_trl(vocab: int, steps: int = 2, profile: str | None = None) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    tok, model = _build(vocab)
+    tok, model = _build(vocab, shape)
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts()]})
     out_dir = tempfile.mkdtemp(prefix="trl_bench_")
     args = GRPOConfig(
@@ -285,8 +327,11 @@ def _source_hashes() -> dict[str, str]:
 
 
 def child(variant: str, vocab: int, threads: int, profile: str | None = None, patch: str | None = None,
-          timed_steps: int = 1) -> None:
+          timed_steps: int = 1, shape: str = "tiny") -> None:
     _env()
+    _set_shape(shape)
+    if shape != "tiny":
+        vocab = QWEN25_05B["vocab_size"]
     import torch
 
     if patch:  # a proposed change, applied as a monkeypatch, to measure it before it lands
@@ -296,13 +341,13 @@ def child(variant: str, vocab: int, threads: int, profile: str | None = None, pa
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    res = (run_ours if variant == "ours" else run_trl)(vocab, steps=1 + timed_steps, profile=profile)
+    res = (run_ours if variant == "ours" else run_trl)(vocab, steps=1 + timed_steps, profile=profile, shape=shape)
     timed = [st["times"] for st in res["steps"][1:]]  # step 0 is the warm-up
     res["timed"] = {c: {k: statistics.median(t[c][k] for t in timed) for k in timed[0][c]} for c in CLOCKS}
     import transformers
 
     res["source_sha1"] = _source_hashes()
-    res.update(variant=variant, vocab=vocab, patch=patch, threads=torch.get_num_threads(), peak_rss_mb=_maxrss_mb(),
+    res.update(variant=variant, vocab=vocab, shape=shape, prompts=NUM_PROMPTS, new_tokens=NEW_TOKENS, patch=patch, threads=torch.get_num_threads(), peak_rss_mb=_maxrss_mb(),
                wall_s=time.perf_counter() - t0, torch=torch.__version__, transformers=transformers.__version__)
     if variant == "trl":
         import trl
@@ -315,11 +360,11 @@ def child(variant: str, vocab: int, threads: int, profile: str | None = None, pa
 
 
 def spawn(variant: str, vocab: int, threads: int, timeout: float, patch: str | None = None,
-          timed_steps: int = 1) -> dict:
+          timed_steps: int = 1, shape: str = "tiny") -> dict:
     """Run one variant in a fresh Python process; its RESULT line, plus the load average around it."""
     side = "trl" if variant == "trl" else "ours"
     cmd = [sys.executable, os.path.abspath(__file__), "--child", side, "--vocab", str(vocab),
-           "--threads", str(threads), "--timed-steps", str(timed_steps)]
+           "--threads", str(threads), "--timed-steps", str(timed_steps), "--shape", shape]
     if variant == "ours_patched":
         cmd += ["--patch", patch]
     load0 = os.getloadavg()
@@ -352,8 +397,8 @@ def ratios(ours: dict, trl: dict) -> dict:
                  if ours[f"median_{clock}_s"][k] > 0} for clock in CLOCKS}
     r["peak_rss"] = ours["peak_rss_mb"] / trl["peak_rss_mb"]
     r["step_rss"] = ours["step_rss_mb"] / trl["step_rss_mb"]
-    r["goals"] = {"speed_1.5x_cpu": r["cpu"]["total"] >= 1.5, "speed_1.5x_wall": r["wall"]["total"] >= 1.5,
-                  "memory_0.7x": r["peak_rss"] <= 0.7}
+    r["goals"] = {"speed_2x_cpu": r["cpu"]["total"] >= 2.0, "speed_2x_wall": r["wall"]["total"] >= 2.0,
+                  "memory_0.5x": r["peak_rss"] <= 0.5}
     return r
 
 
@@ -362,20 +407,20 @@ SIDES = ("ours", "ours_patched", "trl")
 
 def table(results: dict, clock: str = "cpu") -> str:
     """Markdown: median seconds per phase and peak RSS per side, then TRL / ours ratios."""
-    rows = [f"| vocab | side | generate | old log-probs | loss+backward | optimizer | **step** ({clock} s) "
-            "| peak RSS MiB | step RSS MiB |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for v, res in results["vocabs"].items():
+    rows = [f"| case | side | generate | old log-probs | loss+backward | optimizer | **step** ({clock} s) "
+            "| peak RSS MiB | step RSS MiB |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for v, res in results["cases"].items():
         for side in SIDES:
             if side in res:
                 m = res[side][f"median_{clock}_s"]
-                rows.append(f"| {int(v):,} | {side} | {m['generate']:.2f} | {m['old_logprobs']:.3f} | "
+                rows.append(f"| {case_label(v)} | {side} | {m['generate']:.2f} | {m['old_logprobs']:.3f} | "
                             f"{m['loss_backward']:.2f} | {m['optimizer']:.3f} | **{m['total']:.2f}** | "
                             f"{res[side]['peak_rss_mb']:.0f} | {res[side]['step_rss_mb']:.0f} |")
         for side in SIDES[:2]:
             r = res.get("ratios", {}).get(side)
             if r:
                 c = r[clock]
-                rows.append(f"| {int(v):,} | TRL / {side} | {c['generate']:.2f}x | {c['old_logprobs']:.2f}x | "
+                rows.append(f"| {case_label(v)} | TRL / {side} | {c['generate']:.2f}x | {c['old_logprobs']:.2f}x | "
                             f"{c['loss_backward']:.2f}x | {c['optimizer']:.2f}x | **{c['total']:.2f}x** | "
                             f"{side} / TRL **{r['peak_rss']:.2f}** | {r['step_rss']:.2f} |")
     return "\n".join(rows)
@@ -383,8 +428,12 @@ def table(results: dict, clock: str = "cpu") -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=5, help="measured processes per variant and vocab (>= 5)")
-    ap.add_argument("--vocab", type=int, nargs="+", default=list(DEFAULT_VOCABS))
+    ap.add_argument("--shape", nargs="+", default=["tiny"], choices=list(SHAPES),
+                    help="model shapes to run, in order (tiny runs once per --vocab)")
+    ap.add_argument("--runs", type=int, default=5, help="measured processes per variant at the tiny shape (>= 5)")
+    ap.add_argument("--runs-large", type=int, default=3,
+                    help="measured processes per variant at qwen2.5-0.5b (a process takes minutes on 2 cores)")
+    ap.add_argument("--vocab", type=int, nargs="+", default=list(DEFAULT_VOCABS), help="vocab sizes of the tiny shape")
     ap.add_argument("--variants", nargs="+", default=["ours", "trl"], choices=["ours", "trl"])
     ap.add_argument("--threads", type=int, default=1,
                     help="torch.set_num_threads in every child (equal for both sides)")
@@ -394,44 +443,48 @@ def main() -> None:
                          "untimed warm-up step)")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--timed-steps", type=int, default=0,
-                    help="timed steps per process after its warm-up step, median taken (0: 5 for vocab <= "
-                         "50,000, where a step is short and noisy, else 1)")
+                    help="timed steps per process after its warm-up step, median taken (0: 5 at the tiny "
+                         "shape with vocab <= 50,000, where a step is short and noisy, else 1)")
     ap.add_argument("--child", choices=["ours", "trl"], help="run one variant in this process (internal)")
     ap.add_argument("--profile", help="with --child: cProfile the timed step into this pstats file")
     ap.add_argument("--patch", help="a Python file run first in a child (a monkeypatch under evaluation); "
                                     "with the parent, adds the variant ours_patched")
     a = ap.parse_args()
     if a.child:
-        child(a.child, a.vocab[0], a.threads, a.profile, a.patch, a.timed_steps)
+        child(a.child, a.vocab[0], a.threads, a.profile, a.patch, a.timed_steps, a.shape[0])
         return
-    steps_for = lambda v: a.timed_steps or (1 if v > 50_000 else 5)  # noqa: E731
+    cases = [(sh, v) for sh in a.shape for v in (a.vocab if sh == "tiny" else [QWEN25_05B["vocab_size"]])]
+    steps_for = lambda sh, v: a.timed_steps or (5 if sh == "tiny" and v <= 50_000 else 1)  # noqa: E731
+    runs_for = lambda sh: a.runs if sh == "tiny" else a.runs_large  # noqa: E731
     variants = list(a.variants) + (["ours_patched"] if a.patch else [])
-    results = {"config": {"prompts": NUM_PROMPTS, "group": GROUP, "new_tokens": NEW_TOKENS, "threads": a.threads,
-                          "runs": a.runs, "timed_steps": {str(v): steps_for(v) for v in a.vocab},
-                          "model": "Qwen2 random init, 2 layers, hidden 64, tied embeddings",
+    results = {"config": {"group": GROUP, "threads": a.threads,
+                          "shapes": {sh: {"prompts": SHAPES[sh][0], "new_tokens": SHAPES[sh][1],
+                                          "model": SHAPES[sh][2], "runs": runs_for(sh)} for sh in a.shape},
+                          "timed_steps": {case_key(sh, v): steps_for(sh, v) for sh, v in cases},
                           "patch": a.patch, "cpu_count": os.cpu_count(), "platform": platform.platform(),
                           "started": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_start": list(os.getloadavg())},
-               "vocabs": {}}
-    for vocab in a.vocab:
+               "cases": {}}
+    for shape, vocab in cases:
+        key, n_steps = case_key(shape, vocab), steps_for(shape, vocab)
         runs: dict[str, list] = {v: [] for v in variants}
         for v in variants if a.warmup_process else []:
-            print(f"[V={vocab}] warm-up process {v}", flush=True)
-            spawn(v, vocab, a.threads, a.timeout, a.patch, steps_for(vocab))
-        for i in range(a.runs):
+            print(f"[{key}] warm-up process {v}", flush=True)
+            spawn(v, vocab, a.threads, a.timeout, a.patch, n_steps, shape)
+        for i in range(runs_for(shape)):
             for v in variants if i % 2 == 0 else variants[::-1]:  # interleaved: load drifts hit all alike
-                r = spawn(v, vocab, a.threads, a.timeout, a.patch, steps_for(vocab))
+                r = spawn(v, vocab, a.threads, a.timeout, a.patch, n_steps, shape)
                 runs[v].append(r)
                 tt = r["timed"]
-                print(f"[V={vocab}] run {i + 1}/{a.runs} {v}: step {tt['wall']['total']:.2f} s wall, "
+                print(f"[{key}] run {i + 1}/{runs_for(shape)} {v}: step {tt['wall']['total']:.2f} s wall, "
                       f"{tt['cpu']['total']:.2f} s cpu, peak RSS {r['peak_rss_mb']:.0f} MiB, "
                       f"load {r['loadavg_before'][0]:.1f}", flush=True)
         res = {v: summarize(rs) for v, rs in runs.items()}
         if "trl" in res:
             res["ratios"] = {v: ratios(res[v], res["trl"]) for v in ("ours", "ours_patched") if v in res}
         res["runs"] = runs
-        results["vocabs"][str(vocab)] = res
+        results["cases"][key] = res
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(results, indent=1))  # after every vocab, so a crash keeps what was measured
+        a.out.write_text(json.dumps(results, indent=1))  # after every case, so a crash keeps what was measured
     results["config"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     results["config"]["loadavg_end"] = list(os.getloadavg())
     a.out.write_text(json.dumps(results, indent=1))

@@ -7,7 +7,9 @@ head (vocab 151,936, hidden 896) by default, loss = -mean(logp * advantage):
     chunked  logprobs_from_hidden (chunks; backward recomputes each chunk's logits)
     fused    fused_token_loss (chunks; gradients chained during the forward, what GRPO uses)
 
-Each variant runs in a FRESH subprocess; peak memory is the process's resident
+Time is the fastest of `--repeats` steps, in wall seconds and in CPU seconds
+(`process_time`, which does not count waiting for a shared core: use it with
+`--threads 1` on a loaded machine). Each variant runs in a FRESH subprocess; peak memory is the process's resident
 set high-water mark (`resource.getrusage(RUSAGE_SELF).ru_maxrss`), which sees
 torch's allocations (tracemalloc does not). `setup` is the high-water mark after
 allocating the head, its gradient buffer and the inputs; `extra` = peak - setup
@@ -64,13 +66,14 @@ def child(args) -> dict:
         loss.backward()
         return loss.item()
 
-    times = []
+    times, cpu = [], []
     for _ in range(args.repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     return {"variant": args.variant, "setup_mb": setup, "peak_mb": _rss_mb(), "time_s": min(times),
-            "times_s": times}
+            "times_s": times, "cpu_s": min(cpu), "cpus_s": cpu}
 
 
 def main() -> None:
@@ -97,11 +100,12 @@ def main() -> None:
     print(f"vocab={args.vocab} hidden={args.hidden} tokens={args.tokens} chunk_size={args.chunk_size} "
           f"head={head} threads={args.threads} float32 repeats={args.repeats}")
     base = results[0]
-    print(f"{'variant':<8} {'peak MB':>9} {'setup MB':>9} {'extra MB':>9} {'time s':>8} "
-          f"{'peak vs ' + base['variant']:>15} {'time vs ' + base['variant']:>15}")
+    print(f"{'variant':<8} {'peak MB':>9} {'setup MB':>9} {'extra MB':>9} {'time s':>8} {'CPU s':>8} "
+          f"{'peak vs ' + base['variant']:>15} {'time vs ' + base['variant']:>15} {'CPU vs ' + base['variant']:>14}")
     for r in results:
         print(f"{r['variant']:<8} {r['peak_mb']:>9.0f} {r['setup_mb']:>9.0f} {r['peak_mb'] - r['setup_mb']:>9.0f} "
-              f"{r['time_s']:>8.2f} {base['peak_mb'] / r['peak_mb']:>14.2f}x {r['time_s'] / base['time_s']:>14.2f}x")
+              f"{r['time_s']:>8.2f} {r['cpu_s']:>8.2f} {base['peak_mb'] / r['peak_mb']:>14.2f}x "
+              f"{r['time_s'] / base['time_s']:>14.2f}x {r['cpu_s'] / base['cpu_s']:>13.2f}x")
 
 
 if __name__ == "__main__":

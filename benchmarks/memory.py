@@ -187,6 +187,13 @@ def parse(argv=None):
 
 def main(argv=None) -> None:
     args = parse(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("memory.py: CUDA is not available, nothing measured (run it on a machine with a GPU, "
+                  "or use --device cpu).")
+            return
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return

@@ -2,9 +2,10 @@
 
     uv run python benchmarks/plot_perf.py [--json benchmarks/results/grpo_vs_trl.json] [--out benchmarks/results/perf.png]
 
-Top left: TRL step time / ours (higher is better; goal 1.5x), CPU seconds and wall seconds.
-Top right: our peak RSS / TRL's (lower is better; goal 0.7x).
-Bottom: median CPU seconds per phase of one GRPO step, one panel per vocabulary size.
+Top left: TRL step time / ours (higher is better; goal 2x), CPU seconds and wall seconds.
+Top right: our peak RSS / TRL's (lower is better; goal 0.5x).
+Bottom: median CPU seconds per phase of one GRPO step, one panel per case (model shape and vocabulary).
+Reads both layouts: "cases" (tiny-512, qwen2.5-0.5b, ...) and the older "vocabs".
 """
 
 from __future__ import annotations
@@ -40,33 +41,40 @@ def _bars(ax, groups: list[str], series: dict[str, tuple[list[float], str, str]]
     ax.legend(fontsize=8)
 
 
+def _label(key: str) -> str:
+    if key.startswith("tiny-"):
+        return f"tiny, V={int(key.split('-')[1]):,}"
+    return key if key.startswith("V=") else f"{key}, V=151,936"
+
+
 def plot(results: dict, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    vocabs = list(results["vocabs"])
-    names = [f"V={int(v):,}" for v in vocabs]
-    sides = [s for s in ("ours", "ours_patched") if any(s in results["vocabs"][v].get("ratios", {}) for v in vocabs)]
+    cases = results.get("cases") or {f"V={int(v):,}": r for v, r in results["vocabs"].items()}
+    vocabs = list(cases)
+    names = [_label(v) for v in vocabs]
+    sides = [s for s in ("ours", "ours_patched") if any(s in cases[v].get("ratios", {}) for v in vocabs)]
     fig = plt.figure(figsize=(11, 8), constrained_layout=True)
     grid = fig.add_gridspec(2, max(2, len(vocabs)))
     ax_speed, ax_mem = fig.add_subplot(grid[0, : grid.ncols // 2]), fig.add_subplot(grid[0, grid.ncols // 2:])
 
     speed, mem = {}, {}
     for s in sides:
-        r = [results["vocabs"][v]["ratios"].get(s) for v in vocabs]
+        r = [cases[v]["ratios"].get(s) for v in vocabs]
         speed[f"{LABELS[s]}, CPU s"] = ([x["cpu"]["total"] if x else 0 for x in r], COLORS[s], "")
         speed[f"{LABELS[s]}, wall s"] = ([x["wall"]["total"] if x else 0 for x in r], COLORS[s], "//")
         mem[LABELS[s]] = ([x["peak_rss"] if x else 0 for x in r], COLORS[s], "")
-    _bars(ax_speed, names, speed, 1.5, "TRL step time / ours", "higher is better")
+    _bars(ax_speed, names, speed, 2.0, "TRL step time / ours", "higher is better")
     ax_speed.set_title("GRPO step speed-up over TRL GRPOTrainer")
-    _bars(ax_mem, names, mem, 0.7, "our peak RSS / TRL's", "lower is better")
+    _bars(ax_mem, names, mem, 0.5, "our peak RSS / TRL's", "lower is better")
     ax_mem.set_title("Peak memory (RSS) relative to TRL")
 
     for i, v in enumerate(vocabs):
         ax = fig.add_subplot(grid[1, i])
-        res = results["vocabs"][v]
+        res = cases[v]
         present = [s for s in LABELS if s in res]
         bottom = [0.0] * len(present)
         for ph in PHASES:
@@ -77,12 +85,17 @@ def plot(results: dict, out: Path) -> None:
         for j, s in enumerate(present):
             ax.annotate(f"{res[s]['median_cpu_s']['total']:.2f} s", (j, bottom[j]), ha="center", va="bottom",
                         fontsize=8)
-        ax.set_title(f"V={int(v):,}: median CPU s per phase")
+        ax.set_title(f"{_label(v)}: median CPU s per phase", fontsize=9)
         ax.set_ylabel("CPU seconds")
         ax.legend(fontsize=7)
     cfg = results["config"]
-    fig.suptitle(f"{cfg['prompts']} prompts x {cfg['group']} completions, {cfg['new_tokens']} new tokens, "
-                 f"{cfg['threads']} thread(s), median of {cfg['runs']} processes", fontsize=10)
+    if "shapes" in cfg:
+        work = "\n" + "; ".join(f"{sh}: {c['prompts']} prompts x {cfg['group']} completions x {c['new_tokens']} new tokens, "
+                         f"median of {c['runs']} processes" for sh, c in cfg["shapes"].items())
+    else:
+        work = (f"{cfg['prompts']} prompts x {cfg['group']} completions, {cfg['new_tokens']} new tokens, "
+                f"median of {cfg['runs']} processes")
+    fig.suptitle(f"GRPO step vs TRL GRPOTrainer on CPU, {cfg['threads']} thread(s). {work}", fontsize=9)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")
