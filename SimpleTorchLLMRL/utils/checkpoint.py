@@ -193,32 +193,28 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
     return None
 
 
-def checkpoint_dirs(directory: str | os.PathLike) -> list[Path]:
-    """Every `step-*` directory under `directory`, newest first, complete or not."""
+def find_checkpoint(directory: str | os.PathLike) -> tuple[Path | None, list[str]]:
+    """(the newest complete checkpoint under `directory` or None, why each newer one was skipped).
+
+    Reads manifests and hashes only; no weight is loaded. The checkpoint's `state.json` can then be
+    read to compare a run's settings before `load_checkpoint`.
+    """
     root = Path(directory)
-    return _candidates(root) if root.is_dir() else []
-
-
-def read_checkpoint_state(path: str | os.PathLike) -> dict[str, Any]:
-    """state.json of a verified checkpoint, without loading any weights (to compare a run's settings first)."""
-    path = Path(path)
-    problem = verify_checkpoint(path)
-    if problem is not None:
-        raise ValueError(f"checkpoint {path} is not usable: {problem}")
-    return json.loads((path / "state.json").read_text(encoding="utf-8"))
+    skipped = []
+    for candidate in _candidates(root) if root.is_dir() else []:
+        problem = verify_checkpoint(candidate)
+        if problem is None:
+            return candidate, skipped
+        skipped.append(f"skipping checkpoint {candidate}: {problem}")
+    return None, skipped
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under `directory`, skipping corrupt ones with a warning."""
-    root = Path(directory)
-    if not root.is_dir():
-        return None
-    for candidate in _candidates(root):
-        problem = verify_checkpoint(candidate)
-        if problem is None:
-            return candidate
-        warn_user(f"skipping checkpoint {candidate}: {problem}")
-    return None
+    checkpoint, skipped = find_checkpoint(directory)
+    for line in skipped:
+        warn_user(line)
+    return checkpoint
 
 
 def load_checkpoint(path: str | os.PathLike, model, optimizer=None, scheduler=None,

@@ -21,11 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from SimpleTorchLLMRL.recipes.calculator.cli import UsageError
-from SimpleTorchLLMRL.utils.checkpoint import (
-    checkpoint_dirs,
-    read_checkpoint_state,
-    verify_checkpoint,
-)
+from SimpleTorchLLMRL.utils.checkpoint import find_checkpoint
 from SimpleTorchLLMRL.utils.jsonl import read_jsonl
 from SimpleTorchLLMRL.utils.warn import warn_user
 
@@ -65,20 +61,14 @@ def resume_point(out: Path, args: argparse.Namespace, model) -> tuple[Path | Non
     if not args.resume:
         return None, None
     root = out / "checkpoints"
-    ckpt, skipped = None, []
-    for candidate in checkpoint_dirs(root):  # newest first; the first complete one is resumed
-        problem = verify_checkpoint(candidate)
-        if problem is None:
-            ckpt = candidate
-            break
-        skipped.append(f"skipping checkpoint {candidate}: {problem}")
+    ckpt, skipped = find_checkpoint(root)  # the newest complete one; why each newer one was skipped
     if ckpt is None:
         if skipped:
             raise UsageError(f"--resume: every checkpoint in {root} is corrupt ({skipped[0]}); nothing was "
                              "changed. Pass --restart instead of --resume to start over from step 0")
         check_metrics(out)
         return None, None
-    saved = read_checkpoint_state(ckpt)
+    saved = json.loads((ckpt / "state.json").read_text(encoding="utf-8"))  # verified by find_checkpoint
     before, now = saved.get("args", {}), vars(args)
     adapter = before.get("lora") or before.get("qlora")  # the LoRA flags shape only an adapter's weights
     _compare([n for n in WEIGHT_FLAGS if adapter or not n.startswith("lora_")], before, now, ckpt, "the weights")

@@ -75,9 +75,7 @@ def trim_metrics(path: Path, last_step: int) -> None:
     if not path.exists():
         return
     kept = [json.dumps(row) for row in read_jsonl(path, torn_tail="skip") if row.get("step", 0) <= last_step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(s + "\n" for s in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(s + "\n" for s in kept))
 
 
 def write_atomic(path: Path, text: str) -> None:
