@@ -247,6 +247,20 @@ def test_the_kl_reference_of_every_agent_is_the_base_model(tok):
         torch.testing.assert_close(tb.ref_logprobs[:, 1:][m].double(), want[m], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("frozen", [None, "B"])
+def test_the_reference_pass_leaves_every_adapter_trainable(tok, frozen):
+    """The KL reference disables the adapters (peft re-freezes inactive ones on exit); afterwards each
+    adapter is as trainable (or frozen) as before."""
+    model = two_agents(tok)
+    if frozen:
+        freeze_adapter(model, frozen)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    episodes, _ = episode_batch(model, tok)
+    batch = [set_trainable_agents(e.copy(), "A") for e in episodes]
+    GRPO(model, tok, beta=0.1, temperature=1.0).prepare(batch, torch.arange(4.0))  # outside use_adapter
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+
+
 # ----------------------------------------------------------------------------- saving
 
 

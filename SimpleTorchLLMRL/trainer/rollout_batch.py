@@ -13,6 +13,7 @@ import torch
 
 from SimpleTorchLLMRL.chat.message import Rollout, sampled_versions
 from SimpleTorchLLMRL.chat.tokenize import Batch, rollouts_to_batch
+from SimpleTorchLLMRL.model.adapters import use_adapter
 from SimpleTorchLLMRL.model.dropout import active_dropout
 from SimpleTorchLLMRL.model.logprobs import check_vocabulary, token_logprobs
 from SimpleTorchLLMRL.model.lora import is_peft_model
@@ -207,5 +208,5 @@ class RolloutTrainer:
             return None
         if self.ref_model is not None:
             return self.logprobs(self.ref_model, batch, mask, temperature)
-        with self.model.disable_adapter():
+        with use_adapter(self.model, None):  # every adapter off; which ones train is left as it was
             return self.logprobs(self.model, batch, mask, temperature)
