@@ -85,11 +85,6 @@ def _box_spans(text: str | None) -> list[tuple[int, int, str]]:
     return spans
 
 
-def extract_boxes(text: str | None) -> list[str]:
-    r"""Contents of every complete outermost `\boxed{...}` / `\fbox{...}` in `text`, in order (linear time)."""
-    return [content for _, _, content in _box_spans(text)]
-
-
 _CONNECTIVE = re.compile(r"(?:\s|[,;.&]|\$|\\[()\[\],]|\\q?quad(?![A-Za-z])|\\text\{\s*and\s*\}|and(?![A-Za-z]))*")
 
 
