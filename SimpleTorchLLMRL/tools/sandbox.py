@@ -40,12 +40,12 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 
 from SimpleTorchLLMRL.tools.base import Tool
 from SimpleTorchLLMRL.tools.landlock import abi_version as landlock_abi
 from SimpleTorchLLMRL.tools.sandbox_run import Spec, finish, start, watch
+from SimpleTorchLLMRL.utils.warn import warn_user
 
 _FALLBACK_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3")
 _NOBODY = 65534
@@ -211,9 +211,8 @@ class PythonSandbox:
             _namespaces_unsupported[os.geteuid() == 0] = unsupported
             if self.isolation == "namespaces":
                 return result
-            warnings.warn(f"PythonSandbox: namespaces are unavailable here ({unsupported}); falling back to "
-                          "isolation='process', which contains less (see docs/sandbox.md)", RuntimeWarning,
-                          stacklevel=3)
+            warn_user(f"PythonSandbox: namespaces are unavailable here ({unsupported}); falling back to "
+                      "isolation='process', which contains less (see docs/sandbox.md)", RuntimeWarning)
             result, _ = self._run_isolated(code, python, secret, "process")
         return result
 
@@ -273,11 +272,11 @@ def _usable_interpreter(box: PythonSandbox, wanted: str) -> str:
             r = box._run("import sys; print(sys.version_info[0])", candidate)
             if r.ok and r.stdout.strip() == "3":
                 if candidate != wanted:
-                    warnings.warn(
+                    warn_user(
                         f"PythonSandbox: the sandbox's unprivileged uid cannot run {wanted} ({why}); using "
                         f"{candidate} instead, without the packages of {wanted}. Make it and its directories "
                         "readable by all users (not under a 0700 directory such as /root), use "
-                        "isolation='namespaces', or pass python=...", RuntimeWarning, stacklevel=4)
+                        "isolation='namespaces', or pass python=...", RuntimeWarning)
                 _probe_cache[key] = candidate
                 return candidate
             why = why or (r.error or r.stderr.strip() or f"exit code {r.exit_code}")[-300:]
