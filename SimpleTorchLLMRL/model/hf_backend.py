@@ -12,6 +12,10 @@ truncate. HF's own sampling is `torch.multinomial`, an exponential race whose CP
 costs ~18 ns per vocabulary entry (187 ms per step at B=64, V=151,936); the (B, V)
 temporaries live in one buffer reused across steps. The model's own generation-config
 sampling settings are overridden (HF would otherwise apply e.g. its default top_k=50).
+
+The G samples of one prompt share its prefill: each distinct prompt's first L - 1 tokens
+run once into a KV cache that is repeated for its rows, and `generate` continues from it
+(vLLM's prefix caching does the same); `backend.share_prefill = False` turns this off.
 """
 
 from __future__ import annotations
@@ -183,6 +187,7 @@ class HFBackend:
         if pad is None:
             raise ValueError("the tokenizer needs a pad_token_id or eos_token_id to left-pad batches")
         self.pad_id = int(pad)
+        self.share_prefill = True  # prefill each distinct prompt once (`_shared_prefill`)
 
     @property
     def logprob_temperature(self) -> float:
@@ -233,9 +238,11 @@ class HFBackend:
             attention_mask[i, L - len(p):] = 1
         recorder, processors = self._processors()
         criteria = StoppingCriteriaList([_StopOnStrings(self.tokenizer, cfg.all_stops, L)] if cfg.all_stops else [])
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         with torch.inference_mode():
+            cache = self._shared_prefill(input_ids, attention_mask) if self.share_prefill else None
             seq = self.model.generate(  # greedy: sampling happens in our last processor
-                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
                 max_new_tokens=cfg.max_new_tokens, do_sample=False, num_beams=1, temperature=None, top_k=None,
                 top_p=None, repetition_penalty=1.0, no_repeat_ngram_size=0, eos_token_id=list(cfg.eos_token_ids),
                 pad_token_id=self.pad_id, logits_processor=LogitsProcessorList(processors),
@@ -245,6 +252,41 @@ class HFBackend:
             logps = recorder.finish(seq)[:, : new.shape[1]]  # (B, N)
         new_l, logps_l = new.tolist(), logps.tolist()
         return [cut_sample(self.tokenizer, ids, lps, cfg) for ids, lps in zip(new_l, logps_l, strict=True)]
+
+    def _shared_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """KV cache of the first L - 1 tokens of each distinct prompt, prefilled once and repeated
+        for its rows (G samples of one prompt); generate then runs only the last prompt token.
+
+        input_ids, attention_mask (B, L) left-padded. None (generate prefills as usual) when no
+        prompt repeats, or the model brings its own cache kind or is an encoder-decoder.
+        """
+        config = getattr(self.model, "config", None)
+        gen_config = getattr(self.model, "generation_config", None)
+        if (input_ids.shape[1] < 2 or getattr(config, "is_encoder_decoder", False)
+                or getattr(gen_config, "cache_implementation", None) is not None):
+            return None
+        index: dict[tuple[int, ...], int] = {}
+        owner, group = [], []
+        for i, row in enumerate(input_ids.tolist()):
+            key = tuple(row)
+            if key not in index:
+                index[key] = len(owner)
+                owner.append(i)
+            group.append(index[key])
+        if len(owner) == len(group):
+            return None
+        ids, mask = input_ids[owner, :-1], attention_mask[owner, :-1]  # (U, L - 1)
+        positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 0)  # as generate numbers a left-padded prompt
+        kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        try:
+            out = self.model(**kwargs, logits_to_keep=1)
+        except TypeError:  # a model without logits_to_keep
+            out = self.model(**kwargs)
+        cache = getattr(out, "past_key_values", None)
+        if cache is None or not hasattr(cache, "batch_select_indices"):
+            return None
+        cache.batch_select_indices(torch.tensor(group, device=input_ids.device))  # (U, ...) -> (B, ...)
+        return cache
 
     def _processors(self) -> tuple:
         """(recorder with .finish, the logits-processor list) for greedy or sampled decoding."""

@@ -35,6 +35,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from SimpleTorchLLMRL.model.shared_prefix import (
+    check_shared_prefix,
+    first_positions,
+    last_hidden,
+    shared_prefix_hidden_states,
+)
 from SimpleTorchLLMRL.utils.warn import warn_user
 
 DEFAULT_CHUNK_SIZE = 512
@@ -103,7 +109,7 @@ def logit_softcap(model) -> float | None:
 
 
 def final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                        verify: bool = True) -> torch.Tensor:
+                        verify: bool = True, start: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T, H) hidden states that the model's output embedding turns into logits.
 
     One forward through the whole model (so DDP / FSDP / peft hooks run) with
@@ -111,17 +117,33 @@ def final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Te
     which also lets us check once per model that `head(hidden_states[-1])`
     really are its logits (a model that post-processes logits otherwise
     raises instead of silently giving wrong log-probs).
+
+    start (B,) long, with a right-padded attention_mask: only positions >= start are
+    needed, so rows with identical tokens before `start` run that prefix once
+    (`shared_prefix`); positions before `start` are then 0. Checked once per model
+    against the plain forward.
     """
+    if start is not None and attention_mask is not None:
+        if verify:
+            check_shared_prefix(model, input_ids, attention_mask, start)
+        shared = shared_prefix_hidden_states(model, input_ids, attention_mask, start)
+        if shared is not None:
+            hidden, out = shared
+            _maybe_verify_head(model, out, verify)  # against the suffix forward's own last position
+            return hidden
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
     try:
         out = model(**kwargs, logits_to_keep=1)
     except TypeError:  # a model without logits_to_keep: pays for its full logits once
         out = model(**kwargs)
-    hidden = out.hidden_states[-1] if getattr(out, "hidden_states", None) is not None else out.last_hidden_state
+    _maybe_verify_head(model, out, verify)
+    return last_hidden(out)
+
+
+def _maybe_verify_head(model, out, verify: bool) -> None:
     logits = getattr(out, "logits", None)
     if verify and logits is not None and _unwrap(model) not in _VERIFIED:
-        _verify_head(model, hidden, logits)
-    return hidden
+        _verify_head(model, last_hidden(out), logits)
 
 
 def _verify_head(model, hidden: torch.Tensor, logits: torch.Tensor) -> None:
@@ -411,7 +433,8 @@ def logprobs_at(hidden: torch.Tensor, model, input_ids: torch.Tensor, positions:
 
 def token_logprobs(model, batch, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
                    return_entropy: bool = False, *, positions: torch.Tensor | None = None,
-                   return_hidden: bool = False, upcast: bool = False, fused: bool | None = None):
+                   return_hidden: bool = False, upcast: bool = False, fused: bool | None = None,
+                   share_prefix: bool = False):
     """Per-token log-probs of `batch.input_ids` under `model` at `temperature`, (B, T).
 
     batch: a `Batch` (or anything with `input_ids` and `attention_mask`).
@@ -419,14 +442,17 @@ def token_logprobs(model, batch, temperature: float = 1.0, chunk_size: int = DEF
     pass `loss_mask` to skip prompts entirely). Unscored positions and column 0 are 0.
     Returns the (B, T) tensor, or a `TokenLogProbs(logprobs, entropy, hidden_states)`
     when `return_entropy` or `return_hidden` is set (the hidden states come from
-    the same forward, e.g. for a value head).
+    the same forward, e.g. for a value head). share_prefix: rows with the same tokens
+    before their first scored position run those tokens once (`final_hidden_states`'s
+    `start`); hidden states before that position are then 0.
     """
     input_ids, attention_mask = batch.input_ids, batch.attention_mask
     if positions is None:
         positions = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
     if positions.shape != input_ids.shape:
         raise ValueError(f"positions has shape {tuple(positions.shape)}, input_ids {tuple(input_ids.shape)}")
-    hidden = final_hidden_states(model, input_ids, attention_mask)  # (B, T, H)
+    start = first_positions(positions) if share_prefix else None
+    hidden = final_hidden_states(model, input_ids, attention_mask, start=start)  # (B, T, H)
     logp, ent = logprobs_at(hidden, model, input_ids, positions, temperature=temperature,
                             chunk_size=chunk_size, upcast=upcast, fused=fused)
     if not (return_entropy or return_hidden):

@@ -32,6 +32,7 @@ from SimpleTorchLLMRL.model.logprobs import (
     output_head,
     supports_fused,
 )
+from SimpleTorchLLMRL.model.shared_prefix import first_positions
 from SimpleTorchLLMRL.trainer import advantages as A
 from SimpleTorchLLMRL.trainer.losses import (
     KL_ESTIMATORS,
@@ -78,6 +79,10 @@ class GRPOConfig:
     dual_clip: c > 1 caps the loss of negative advantages at -c A (None: off).
     fused: compute token-level losses with `fused_token_loss` when the head allows (same values and
     gradients, one matmul fewer); False always uses chunked log-probs + autograd.
+    share_prefix: the rows of a group run their shared prompt once (a KV-cached prefix forward, then
+    each row's completion against it; `model.shared_prefix`), in the loss and the no-grad log-prob
+    passes. Same log-probs and gradients up to float summation order, checked against the plain
+    forward once per model; it saves the prompt's compute and activations G - 1 times per group.
     """
 
     eps: float = 0.2
@@ -99,6 +104,7 @@ class GRPOConfig:
     max_length: int | None = None
     truncate: bool = False
     fused: bool = True
+    share_prefix: bool = False
 
     def __post_init__(self):
         def bad(name, allowed):
@@ -255,7 +261,8 @@ class GRPO(RolloutTrainer):
         cfg, mask, batch = self.config, tb.mask, tb.batch
         self.check_dropout()
         norm = normalizer if normalizer is not None else tb.normalizer
-        hidden = final_hidden_states(self.model, batch.input_ids, batch.attention_mask)  # (B, T, H)
+        start = first_positions(mask) if cfg.share_prefix else None  # (B,) first hidden state a row needs
+        hidden = final_hidden_states(self.model, batch.input_ids, batch.attention_mask, start=start)  # (B, T, H)
         select = mask[:, 1:].bool()  # (B, T-1): token t+1 is trained, predicted from position t
         h, y = hidden[:, :-1][select], batch.input_ids[:, 1:][select]  # (N, H), (N,)
         x = self._token_inputs(tb, select, norm)

@@ -199,7 +199,7 @@ class RolloutTrainer:
 
     def logprobs(self, model, batch: Batch, mask: torch.Tensor, temperature: float, entropy: bool = False):
         return token_logprobs(model, batch, temperature, self.config.chunk_size, return_entropy=entropy,
-                              positions=mask)
+                              positions=mask, share_prefix=getattr(self.config, "share_prefix", False))
 
     @torch.no_grad()
     def reference_logprobs(self, batch: Batch, mask: torch.Tensor, temperature: float) -> torch.Tensor | None:

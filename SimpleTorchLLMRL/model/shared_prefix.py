@@ -1,0 +1,156 @@
+"""Forward a group's shared prompt once: the rows of a GRPO group start with the same tokens.
+
+Legend: B rows, U distinct prefixes, P prefix tokens, S suffix tokens, T tokens, H hidden size.
+
+G completions of one prompt repeat the prompt G times in a (B, T) batch. A row only
+needs hidden states from `start` on (the position that predicts its first trained
+token); the tokens before `start` matter through their keys and values alone. So the
+U distinct prefixes run once, with a KV cache, and every row runs only its suffix,
+attending to its prefix's cached keys and values:
+
+    prefix forward   (U, P) left-padded, positions 0..P-1, use_cache    -> K, V per layer
+    select           K, V (U, ...) -> (B, ...) by each row's prefix (autograd sums the G copies' gradients)
+    suffix forward   (B, S) right-padded, positions start..start+S-1, attention mask [prefix | suffix]
+
+The causal mask runs over cache slots (every prefix slot comes before every suffix
+slot), padding is masked by the 2D attention mask, and RoPE / learned positions come
+from the explicit position ids, so each row's hidden states and gradients equal those
+of the plain forward over its whole sequence (up to float summation order). The
+prefix's MLPs, projections and saved activations are paid U times instead of B.
+
+Used by `GRPO(share_prefix=True)` for its loss and no-grad log-prob passes, and in spirit
+by the HF generator, which prefills each distinct prompt once (`hf_backend`).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+_VERIFIED: weakref.WeakSet = weakref.WeakSet()  # models whose shared forward was checked against the plain one
+
+
+def first_positions(positions: torch.Tensor) -> torch.Tensor:
+    """(B,) long: the first position whose hidden state each row needs.
+
+    positions (B, T) 0/1 marks the tokens to score; token t is predicted from position
+    t - 1, so the first needed hidden state is one before the first marked token (0 for
+    a row that marks nothing or marks column 0).
+    """
+    marked = positions.bool()
+    first = torch.where(marked.any(-1), marked.int().argmax(-1), 0)  # (B,)
+    return (first - 1).clamp(min=0)
+
+
+def prefix_groups(input_ids: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, list[int]] | None:
+    """Rows whose tokens before `start` are identical share one prefix.
+
+    input_ids (B, T), start (B,) -> (row_to_prefix (B,) long, one representative row per
+    prefix (U,)), or None when sharing saves nothing (every prefix distinct, or a row
+    with an empty prefix).
+    """
+    starts = start.tolist()
+    if min(starts) == 0:
+        return None
+    rows = input_ids.tolist()
+    index: dict[tuple[int, ...], int] = {}
+    owner: list[int] = []
+    for i, (row, s) in enumerate(zip(rows, starts, strict=True)):
+        key = tuple(row[:s])
+        if key not in index:
+            index[key] = len(owner)
+            owner.append(i)
+    if len(owner) == len(rows):
+        return None
+    group = torch.tensor([index[tuple(row[:s])] for row, s in zip(rows, starts, strict=True)])
+    return group.to(input_ids.device), owner
+
+
+def _call(model, **kwargs):
+    try:
+        return model(**kwargs, logits_to_keep=1)
+    except TypeError:  # a model without logits_to_keep: pays for its full logits
+        return model(**kwargs)
+
+
+def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                start: torch.Tensor):
+    """(B, T, H) final hidden states of a right-padded batch, exact from `start` on, 0 before it.
+
+    Returns (hidden, output of the suffix forward), or None when no two rows share a prefix
+    (the caller runs the plain forward) or the model returned no cache (gradient
+    checkpointing turns HF's cache off).
+    """
+    groups = prefix_groups(input_ids, start)
+    if groups is None or getattr(model, "is_gradient_checkpointing", False):
+        return None
+    group, owner = groups
+    device = input_ids.device
+    lengths = attention_mask.sum(-1)  # (B,) right-padded: real tokens first
+    own = torch.tensor(owner, device=device)
+    P = int(start[own].max())
+    # left-padded (U, P): every prefix ends at slot P - 1, so cache slots and positions differ by one
+    # constant per row in prefix and suffix alike (what sliding-window layers and their caches assume)
+    pos = torch.arange(P, device=device)[None] - (P - start[own, None])  # (U, P) position of each slot
+    prefix_mask = (pos >= 0).long()  # (U, P)
+    prefix_ids = torch.where(pos >= 0, input_ids[own].gather(1, pos.clamp(min=0)), 0)
+    out = _call(model, input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=pos.clamp(min=0),
+                use_cache=True)
+    cache = getattr(out, "past_key_values", None)
+    if cache is None:
+        return None
+    cache.batch_select_indices(group)  # (U, ...) -> (B, ...)
+
+    S = int((lengths - start).max())
+    cols = start[:, None] + torch.arange(S, device=device)[None]  # (B, S) positions of the suffix tokens
+    in_row = cols < lengths[:, None]  # (B, S)
+    suffix_ids = torch.where(in_row, input_ids.gather(1, cols.clamp(max=input_ids.shape[1] - 1)), 0)
+    mask = torch.cat([prefix_mask[group], in_row.long()], dim=1)  # (B, P + S): [prefix | suffix]
+    position_ids = torch.where(in_row, cols, start[:, None])  # padding stays inside the row's positions
+    out = _call(model, input_ids=suffix_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+                use_cache=True, output_hidden_states=True)
+    hs = last_hidden(out)  # (B, S, H)
+    T = input_ids.shape[1]
+    at = torch.arange(T, device=device)[None] - start[:, None]  # (B, T) suffix index of each position
+    valid = (at >= 0) & (at < S)
+    picked = hs.gather(1, at.clamp(0, S - 1)[..., None].expand(-1, -1, hs.shape[-1]))  # (B, T, H)
+    return torch.where(valid[..., None], picked, torch.zeros((), dtype=hs.dtype, device=device)), out
+
+
+def check_shared_prefix(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: torch.Tensor) -> None:
+    """Once per model: the shared forward's hidden states from `start` on equal the plain forward's.
+
+    Both run without grad in eval mode (dropout would make them differ); raises ValueError
+    naming the model when they do not agree, e.g. a model whose attention or positions do
+    not follow the cache the way HF's decoders do.
+    """
+    if model in _VERIFIED:
+        return
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            shared = shared_prefix_hidden_states(model, input_ids, attention_mask, start)
+            if shared is None:
+                return
+            plain = last_hidden(_call(model, input_ids=input_ids, attention_mask=attention_mask,
+                                  output_hidden_states=True, use_cache=False))
+    finally:
+        model.train(was_training)
+    cols = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+    needed = (cols >= start[:, None]) & attention_mask.bool()  # (B, T)
+    a, b = shared[0][needed].float(), plain[needed].float()
+    tol = {torch.float32: 1e-4, torch.float64: 1e-6}.get(plain.dtype, 5e-2)  # HF norms upcast to float32
+    err = float((a - b).abs().max()) if a.numel() else 0.0
+    if not err <= tol * (1 + float(b.abs().max())):
+        raise ValueError(
+            f"{type(model).__name__}: share_prefix gives other hidden states than the plain forward (max abs "
+            f"difference {err:.3g}); this model does not run a suffix against a cached prefix the way "
+            "share_prefix needs (its attention, cache or position handling differs). Use share_prefix=False.")
+    _VERIFIED.add(model)
+
+
+def last_hidden(out) -> torch.Tensor:
+    """The final hidden states (after the final norm) of a causal LM's output, (B, T, H)."""
+    return out.hidden_states[-1] if getattr(out, "hidden_states", None) is not None else out.last_hidden_state
