@@ -16,10 +16,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent / "results"
 PHASES = ("generate", "old_logprobs", "loss_backward", "optimizer")
-LABELS = {"ours": "ours", "ours_patched": "ours + proposed", "trl": "TRL"}
-
-
-COLORS = {"ours": "tab:blue", "ours_patched": "tab:green", "trl": "tab:orange"}
+LABELS = {"ours": "ours", "ours_unshared": "ours, prompts not shared", "ours_patched": "ours + proposed", "trl": "TRL"}
+COLORS = {"ours": "tab:blue", "ours_unshared": "tab:cyan", "ours_patched": "tab:green", "trl": "tab:orange"}
 PHASE_COLORS = {"generate": "#9467bd", "old_logprobs": "#bcbd22", "loss_backward": "#17becf", "optimizer": "#d62728"}
 
 
@@ -47,6 +45,12 @@ def _label(key: str) -> str:
     return key if key.startswith("V=") else f"{key}, V=151,936"
 
 
+def _vs_trl(case: dict) -> dict:
+    """Ratios against TRL per side: {"trl": {side: ...}} since the GPU variants, {side: ...} before."""
+    r = case.get("ratios", {})
+    return r["trl"] if "trl" in r else r
+
+
 def plot(results: dict, out: Path) -> None:
     import matplotlib
 
@@ -56,14 +60,15 @@ def plot(results: dict, out: Path) -> None:
     cases = results.get("cases") or {f"V={int(v):,}": r for v, r in results["vocabs"].items()}
     vocabs = list(cases)
     names = [_label(v) for v in vocabs]
-    sides = [s for s in ("ours", "ours_patched") if any(s in cases[v].get("ratios", {}) for v in vocabs)]
+    vs_trl = {v: _vs_trl(cases[v]) for v in vocabs}
+    sides = [s for s in ("ours", "ours_unshared", "ours_patched") if any(s in vs_trl[v] for v in vocabs)]
     fig = plt.figure(figsize=(11, 8), constrained_layout=True)
     grid = fig.add_gridspec(2, max(2, len(vocabs)))
     ax_speed, ax_mem = fig.add_subplot(grid[0, : grid.ncols // 2]), fig.add_subplot(grid[0, grid.ncols // 2:])
 
     speed, mem = {}, {}
     for s in sides:
-        r = [cases[v]["ratios"].get(s) for v in vocabs]
+        r = [vs_trl[v].get(s) for v in vocabs]
         speed[f"{LABELS[s]}, CPU s"] = ([x["cpu"]["total"] if x else 0 for x in r], COLORS[s], "")
         speed[f"{LABELS[s]}, wall s"] = ([x["wall"]["total"] if x else 0 for x in r], COLORS[s], "//")
         mem[LABELS[s]] = ([x["peak_rss"] if x else 0 for x in r], COLORS[s], "")
@@ -90,12 +95,14 @@ def plot(results: dict, out: Path) -> None:
         ax.legend(fontsize=7)
     cfg = results["config"]
     if "shapes" in cfg:
-        work = "\n" + "; ".join(f"{sh}: {c['prompts']} prompts x {cfg['group']} completions x {c['new_tokens']} new tokens, "
+        work = "\n" + "; ".join(f"{sh}: {c['prompts']} prompts x {c.get('group', cfg.get('group'))} completions x "
+                                 f"{c['new_tokens']} new tokens, "
                          f"median of {c['runs']} processes" for sh, c in cfg["shapes"].items())
     else:
         work = (f"{cfg['prompts']} prompts x {cfg['group']} completions, {cfg['new_tokens']} new tokens, "
                 f"median of {cfg['runs']} processes")
-    fig.suptitle(f"GRPO step vs TRL GRPOTrainer on CPU, {cfg['threads']} thread(s). {work}", fontsize=9)
+    where = "one GPU, bf16" if cfg.get("device") == "cuda" else f"CPU, {cfg['threads']} thread(s)"
+    fig.suptitle(f"GRPO step vs TRL GRPOTrainer on {where}. {work}", fontsize=9)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")
