@@ -248,11 +248,12 @@ def main() -> None:
         print("grpo_vs_trl.py --device cuda: CUDA is not available on this machine, nothing was measured "
               "(no GPU figure exists yet; see docs/benchmarks.md#gpu)")
         return
+    steps_for = lambda sh, v: a.timed_steps or (5 if sh == "tiny" and v <= 50_000 else 1)  # noqa: E731
     if a.child:
-        child(a.child, a.vocab[0], a.threads, a.profile, a.patch, a.timed_steps, a.shape[0], a.device, a.dtype)
+        child(a.child, a.vocab[0], a.threads, a.profile, a.patch, steps_for(a.shape[0], a.vocab[0]), a.shape[0],
+              a.device, a.dtype)
         return
     cases = [(sh, v) for sh in a.shape for v in (a.vocab if sh == "tiny" else [sides.QWEN25_05B["vocab_size"]])]
-    steps_for = lambda sh, v: a.timed_steps or (5 if sh == "tiny" and v <= 50_000 else 1)  # noqa: E731
     runs_for = lambda sh: a.runs if sh == "tiny" else a.runs_large  # noqa: E731
     variants = list(a.variants) + (["ours_patched"] if a.patch else [])
     results = {"config": {"threads": a.threads, "device": a.device, "dtype": a.dtype,
