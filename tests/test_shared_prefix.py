@@ -131,6 +131,8 @@ def test_falls_back_to_the_plain_forward_when_nothing_is_shared_or_the_cache_is_
     start = first_positions(positions)
     plain = final_hidden_states(model, ids[distinct], am[distinct])
     torch.testing.assert_close(final_hidden_states(model, ids[distinct], am[distinct], start=start[distinct]), plain)
+    left = torch.flip(am, [1])  # a left-padded mask: the shared layout assumes right padding
+    torch.testing.assert_close(final_hidden_states(model, ids, left, start=start), final_hidden_states(model, ids, left))
     model.gradient_checkpointing_enable()
     full = final_hidden_states(model, ids, am)
     torch.testing.assert_close(final_hidden_states(model, ids, am, start=start), full)

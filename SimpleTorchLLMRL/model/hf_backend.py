@@ -27,6 +27,7 @@ import torch
 
 from SimpleTorchLLMRL.model.logprobs import check_vocabulary
 from SimpleTorchLLMRL.model.sampling import Sample, SamplingConfig, cut_sample, find_stop, stop_window
+from SimpleTorchLLMRL.model.shared_prefix import forward_last_logits, prefix_groups
 
 
 class _LogprobRecorder:
@@ -265,27 +266,19 @@ class HFBackend:
         if (input_ids.shape[1] < 2 or getattr(config, "is_encoder_decoder", False)
                 or getattr(gen_config, "cache_implementation", None) is not None):
             return None
-        index: dict[tuple[int, ...], int] = {}
-        owner, group = [], []
-        for i, row in enumerate(input_ids.tolist()):
-            key = tuple(row)
-            if key not in index:
-                index[key] = len(owner)
-                owner.append(i)
-            group.append(index[key])
-        if len(owner) == len(group):
+        B, L = input_ids.shape
+        groups = prefix_groups(input_ids, torch.full((B,), L))  # rows equal in all L (padded) tokens
+        if groups is None:
             return None
+        group, owner = groups
         ids, mask = input_ids[owner, :-1], attention_mask[owner, :-1]  # (U, L - 1)
         positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 0)  # as generate numbers a left-padded prompt
-        kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        try:
-            out = self.model(**kwargs, logits_to_keep=1)
-        except TypeError:  # a model without logits_to_keep
-            out = self.model(**kwargs)
+        out = forward_last_logits(self.model, input_ids=ids, attention_mask=mask, position_ids=positions,
+                                  use_cache=True)
         cache = getattr(out, "past_key_values", None)
         if cache is None or not hasattr(cache, "batch_select_indices"):
             return None
-        cache.batch_select_indices(torch.tensor(group, device=input_ids.device))  # (U, ...) -> (B, ...)
+        cache.batch_select_indices(group)  # (U, ...) -> (B, ...)
         return cache
 
     def _processors(self) -> tuple:

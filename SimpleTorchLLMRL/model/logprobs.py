@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from SimpleTorchLLMRL.model.shared_prefix import (
     check_shared_prefix,
     first_positions,
+    forward_last_logits,
     last_hidden,
     shared_prefix_hidden_states,
 )
@@ -131,11 +132,8 @@ def final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Te
             hidden, out = shared
             _maybe_verify_head(model, out, verify)  # against the suffix forward's own last position
             return hidden
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
-    try:
-        out = model(**kwargs, logits_to_keep=1)
-    except TypeError:  # a model without logits_to_keep: pays for its full logits once
-        out = model(**kwargs)
+    out = forward_last_logits(model, input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                              use_cache=False)
     _maybe_verify_head(model, out, verify)
     return last_hidden(out)
 

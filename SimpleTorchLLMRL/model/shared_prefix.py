@@ -67,7 +67,8 @@ def prefix_groups(input_ids: torch.Tensor, start: torch.Tensor) -> tuple[torch.T
     return group.to(input_ids.device), owner
 
 
-def _call(model, **kwargs):
+def forward_last_logits(model, **kwargs):
+    """model(**kwargs) with its head scoring only the last position (`logits_to_keep=1`) where it can."""
     try:
         return model(**kwargs, logits_to_keep=1)
     except TypeError:  # a model without logits_to_keep: pays for its full logits
@@ -78,11 +79,12 @@ def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: 
                                 start: torch.Tensor):
     """(B, T, H) final hidden states of a right-padded batch, exact from `start` on, 0 before it.
 
-    Returns (hidden, output of the suffix forward), or None when no two rows share a prefix
-    (the caller runs the plain forward) or the model returned no cache (gradient
-    checkpointing turns HF's cache off).
+    Returns (hidden, output of the suffix forward), or None (the caller runs the plain
+    forward) when no two rows share a prefix, the batch is not right-padded, or the model
+    gives no cache (gradient checkpointing turns HF's cache off).
     """
-    groups = prefix_groups(input_ids, start)
+    left_padded = bool((attention_mask[:, :-1] < attention_mask[:, 1:]).any())  # a 0 before a 1
+    groups = None if left_padded else prefix_groups(input_ids, start)
     if groups is None or getattr(model, "is_gradient_checkpointing", False):
         return None
     group, owner = groups
@@ -95,7 +97,7 @@ def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: 
     pos = torch.arange(P, device=device)[None] - (P - start[own, None])  # (U, P) position of each slot
     prefix_mask = (pos >= 0).long()  # (U, P)
     prefix_ids = torch.where(pos >= 0, input_ids[own].gather(1, pos.clamp(min=0)), 0)
-    out = _call(model, input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=pos.clamp(min=0),
+    out = forward_last_logits(model, input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=pos.clamp(min=0),
                 use_cache=True)
     cache = getattr(out, "past_key_values", None)
     if cache is None:
@@ -108,7 +110,7 @@ def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: 
     suffix_ids = torch.where(in_row, input_ids.gather(1, cols.clamp(max=input_ids.shape[1] - 1)), 0)
     mask = torch.cat([prefix_mask[group], in_row.long()], dim=1)  # (B, P + S): [prefix | suffix]
     position_ids = torch.where(in_row, cols, start[:, None])  # padding stays inside the row's positions
-    out = _call(model, input_ids=suffix_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+    out = forward_last_logits(model, input_ids=suffix_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
                 use_cache=True, output_hidden_states=True)
     hs = last_hidden(out)  # (B, S, H)
     T = input_ids.shape[1]
@@ -134,7 +136,7 @@ def check_shared_prefix(model, input_ids: torch.Tensor, attention_mask: torch.Te
             shared = shared_prefix_hidden_states(model, input_ids, attention_mask, start)
             if shared is None:
                 return
-            plain = last_hidden(_call(model, input_ids=input_ids, attention_mask=attention_mask,
+            plain = last_hidden(forward_last_logits(model, input_ids=input_ids, attention_mask=attention_mask,
                                   output_hidden_states=True, use_cache=False))
     finally:
         model.train(was_training)
