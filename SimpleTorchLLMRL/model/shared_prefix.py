@@ -56,15 +56,15 @@ def prefix_groups(input_ids: torch.Tensor, start: torch.Tensor) -> tuple[torch.T
     rows = input_ids.tolist()
     index: dict[tuple[int, ...], int] = {}
     owner: list[int] = []
+    group: list[int] = []
     for i, (row, s) in enumerate(zip(rows, starts, strict=True)):
-        key = tuple(row[:s])
-        if key not in index:
-            index[key] = len(owner)
+        u = index.setdefault(tuple(row[:s]), len(owner))
+        if u == len(owner):
             owner.append(i)
+        group.append(u)
     if len(owner) == len(rows):
         return None
-    group = torch.tensor([index[tuple(row[:s])] for row, s in zip(rows, starts, strict=True)])
-    return group.to(input_ids.device), owner
+    return torch.tensor(group, device=input_ids.device), owner
 
 
 def forward_last_logits(model, **kwargs):
@@ -97,8 +97,8 @@ def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: 
     pos = torch.arange(P, device=device)[None] - (P - start[own, None])  # (U, P) position of each slot
     prefix_mask = (pos >= 0).long()  # (U, P)
     prefix_ids = torch.where(pos >= 0, input_ids[own].gather(1, pos.clamp(min=0)), 0)
-    out = forward_last_logits(model, input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=pos.clamp(min=0),
-                use_cache=True)
+    out = forward_last_logits(model, input_ids=prefix_ids, attention_mask=prefix_mask,
+                              position_ids=pos.clamp(min=0), use_cache=True)
     cache = getattr(out, "past_key_values", None)
     if cache is None:
         return None
@@ -110,8 +110,8 @@ def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: 
     suffix_ids = torch.where(in_row, input_ids.gather(1, cols.clamp(max=input_ids.shape[1] - 1)), 0)
     mask = torch.cat([prefix_mask[group], in_row.long()], dim=1)  # (B, P + S): [prefix | suffix]
     position_ids = torch.where(in_row, cols, start[:, None])  # padding stays inside the row's positions
-    out = forward_last_logits(model, input_ids=suffix_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
-                use_cache=True, output_hidden_states=True)
+    out = forward_last_logits(model, input_ids=suffix_ids, attention_mask=mask, position_ids=position_ids,
+                              past_key_values=cache, use_cache=True, output_hidden_states=True)
     hs = last_hidden(out)  # (B, S, H)
     T = input_ids.shape[1]
     at = torch.arange(T, device=device)[None] - start[:, None]  # (B, T) suffix index of each position
@@ -137,7 +137,7 @@ def check_shared_prefix(model, input_ids: torch.Tensor, attention_mask: torch.Te
             if shared is None:
                 return
             plain = last_hidden(forward_last_logits(model, input_ids=input_ids, attention_mask=attention_mask,
-                                  output_hidden_states=True, use_cache=False))
+                                                    output_hidden_states=True, use_cache=False))
     finally:
         model.train(was_training)
     cols = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
