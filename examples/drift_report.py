@@ -37,8 +37,8 @@ def drift_under(model, tokenizer, rollouts, rewards, group_size: int):
     grpo = GRPO(model, tokenizer, group_size=group_size, temperature=1.0)
     parts = []
     for micro in grpo.prepare(rollouts, rewards).split(4):
-        grpo.calculate_loss(micro)
-        parts.append((micro.batch, grpo.token_logprobs.float()))
+        out = grpo.compute(micro)  # StepOutput(loss, metrics, token_logprobs)
+        parts.append((micro.batch, out.token_logprobs.float()))
     return logprob_drift(rollouts, parts)
 
 

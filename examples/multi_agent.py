@@ -109,7 +109,7 @@ def _run(num_debates, rounds, max_new_tokens, temperature, lr, seed) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     mask = batch.loss_mask.float()  # (B, T)
     logp = token_logprobs(model, batch, temperature)  # (B, T)
-    sampled = torch.nan_to_num(batch.old_logprobs, nan=0.0)  # (B, T)
+    sampled = torch.nan_to_num(batch.sampler_logprobs, nan=0.0)  # (B, T)
     max_logprob_diff = float(((logp.detach() - sampled) * mask).abs().max())
     loss = -(advantages[:, None] * logp * mask).sum() / mask.sum()
     optimizer.zero_grad()

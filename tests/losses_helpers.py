@@ -76,7 +76,7 @@ def with_sampled_logprobs(rollouts, model, tokenizer, temperature: float, shift:
     with torch.no_grad():
         lp = naive_logprobs(model, batch, temperature).float()
     for i, r in enumerate(out):
-        sampled = ~torch.isnan(batch.old_logprobs[i])
+        sampled = ~torch.isnan(batch.sampler_logprobs[i])
         vals = (lp[i][sampled] - shift).clamp(max=0).tolist()
         for m in r:
             if m.type is MessageType.MODEL:

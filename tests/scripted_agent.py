@@ -58,8 +58,8 @@ def assert_only_model_turns_trained(rollout, tok):
     enc = encode_rollout(rollout, tok)
     trained = [t for t, m in zip(enc.input_ids, enc.loss_mask, strict=True) if m]
     assert trained == [t for m in rollout if m.type is MessageType.MODEL for t in m.token_ids]
-    assert [not math.isnan(x) for x in enc.old_logprobs] == [bool(m) for m in enc.loss_mask]
-    assert {x for x in enc.old_logprobs if not math.isnan(x)} == {LOGPROB}
+    assert [not math.isnan(x) for x in enc.sampler_logprobs] == [bool(m) for m in enc.loss_mask]
+    assert {x for x in enc.sampler_logprobs if not math.isnan(x)} == {LOGPROB}
     for k, msg in enumerate(rollout):
         if msg.type is MessageType.MODEL:
             prompt = encode_prompt(Rollout(rollout[:k], rollout.metadata), tok)

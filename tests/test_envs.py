@@ -120,7 +120,7 @@ def test_real_generator_smoke(chatml_tokenizer):
     batch = rollouts_to_batch(rollouts, chatml_tokenizer)
     assert batch.input_ids.shape[0] == 2 and int(batch.loss_mask.sum()) > 0
     assert '"name": "calculator"' in chatml_tokenizer.decode(batch.input_ids[0])
-    assert torch.equal(~torch.isnan(batch.old_logprobs), batch.loss_mask.bool())
+    assert torch.equal(~torch.isnan(batch.sampler_logprobs), batch.loss_mask.bool())
 
 
 # ---- CodeEnv ----------------------------------------------------------------------------------------------

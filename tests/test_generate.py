@@ -160,7 +160,7 @@ def test_prompt_plus_sampled_ids_prefix_encode_rollout_multi_turn(style):
     for start, ids, msg in spans:  # every turn still sits verbatim in the final encoding, trained, with log-probs
         assert enc.input_ids[: len(ids)] == ids
         assert enc.loss_mask[start: len(ids)] == [1] * len(msg.token_ids)
-        torch.testing.assert_close(torch.tensor(enc.old_logprobs[start: len(ids)]), torch.tensor(msg.logprobs))
+        torch.testing.assert_close(torch.tensor(enc.sampler_logprobs[start: len(ids)]), torch.tensor(msg.logprobs))
 
 
 # ----------------------------------------------------------------------------- batching, seeds, modes
@@ -213,7 +213,7 @@ def test_restores_training_mode_and_builds_no_graph(model, tok):
 def test_group_forms(model, tok):
     rollouts = questions(2)
     gen = ModelGenerate(model, tok, max_new_tokens=5, temperature=1.0, seed=0)
-    groups = gen.group_generate(rollouts, n=3)
+    groups = gen.generate(rollouts, n=3)
     assert [len(g) for g in groups] == [3, 3]
     copies = gen.group_rollout_generate_response(rollouts, n=3)
     assert len(copies) == 6 and [c.metadata["group_id"] for c in copies] == [0, 0, 0, 1, 1, 1]
@@ -271,3 +271,46 @@ def test_unseeded_calls_draw_fresh_samples_from_the_global_rng(chatml_tokenizer)
     assert first != second
     torch.manual_seed(0)
     assert [m[0].token_ids for m in gen.generate(rollouts)] == first  # the global seed still governs them
+
+
+def test_sampling_options_as_one_object_and_deprecated_spellings(qwen2_model, chatml_tokenizer):
+    import warnings
+
+    import SimpleTorchLLMRL.model.generate as G
+    from SimpleTorchLLMRL.model.sampling import SamplingConfig
+
+    cfg = SamplingConfig(max_new_tokens=5, temperature=0.9, stop=("x",))
+    a = ModelGenerate(qwen2_model, chatml_tokenizer, sampling=cfg, seed=3)
+    b = ModelGenerate(qwen2_model, chatml_tokenizer, max_new_tokens=5, temperature=0.9, stop=["x"], seed=3)
+    r = Rollout([Message("hello there")])
+    assert [m.token_ids for m in a.generate([r], n=3)[0]] == [m.token_ids for m in b.generate([r], n=3)[0]]
+    with pytest.raises(ValueError, match=r"sampling= and also \['temperature'\]"):
+        ModelGenerate(qwen2_model, chatml_tokenizer, temperature=0.5, sampling=cfg)
+    G._WARNED.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a.group_generate([r], n=1)
+        a.group_generate([r], n=1)
+        a.responses([r])
+    assert [str(w.message).split(" is ")[0] for w in caught] == ["ModelGenerate.group_generate",
+                                                                 "ModelGenerate.responses"]
+    assert all(w.category is DeprecationWarning and w.filename == __file__ for w in caught)
+
+
+def test_a_later_turn_prompt_is_encoded_once(qwen2_model, chatml_tokenizer, monkeypatch):
+    import SimpleTorchLLMRL.model.generate as G
+
+    calls = []
+    real = G.encode_prompt
+    monkeypatch.setattr(G, "encode_prompt", lambda r, tok: calls.append(id(r)) or real(r, tok))
+    gen = ModelGenerate(qwen2_model, chatml_tokenizer, max_new_tokens=3, seed=0)
+    rs = [Rollout([Message(f"question {i}")]) for i in range(3)]
+    assert all(gen.fits(r) for r in rs)
+    gen.batch_rollout_generate_response(rs)
+    assert sorted(calls) == sorted(id(r) for r in rs)  # fits encoded each once; generate reused them
+    calls.clear()
+    rs[0].add_messages(Message("more", MessageType.TOOL))  # changed after fits: encoded again
+    assert gen.fits(rs[0])
+    rs[0].add_messages(Message("and more", MessageType.MESSAGE))
+    gen.batch_rollout_generate_response(rs[:1])
+    assert calls == [id(rs[0]), id(rs[0])]

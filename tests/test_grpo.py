@@ -88,7 +88,7 @@ def test_off_policy_loss_and_gradient_match_naive(loss_type, fused, qwen2_model,
         ref_lp = naive_logprobs(ref_model, batch)
     lp = naive_logprobs(model, batch)
     hi = 0.28 if loss_type == "dapo" else 0.2
-    naive = _naive_loss(lp, batch.old_logprobs, _naive_adv(REWARDS, 3), trained_positions(batch), loss_type, hi=hi,
+    naive = _naive_loss(lp, batch.sampler_logprobs, _naive_adv(REWARDS, 3), trained_positions(batch), loss_type, hi=hi,
                         beta=0.1, ref=ref_lp, max_tokens=40)
     naive.backward()
     torch.testing.assert_close(loss.double(), naive, rtol=1e-4, atol=1e-6)
@@ -238,7 +238,7 @@ def test_truncated_importance_sampling(qwen2_model, chatml_tokenizer):
     with torch.no_grad():
         lp = naive_logprobs(model, batch)
     m = trained_positions(batch).bool()
-    w = torch.where(m, torch.exp(lp - batch.old_logprobs.double()).clamp(max=1.2), 0.0)
+    w = torch.where(m, torch.exp(lp - batch.sampler_logprobs.double()).clamp(max=1.2), 0.0)
     A = _naive_adv(REWARDS[:3], 3)
     naive = -(A * (w * m).sum(1) / m.sum(1)).mean()  # ratio is 1 (trainer's own old log-probs), TIS reweights
     torch.testing.assert_close(loss.double(), naive, rtol=1e-4, atol=1e-6)

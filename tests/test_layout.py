@@ -1,4 +1,4 @@
-"""The shape of the house (DESIGN.md): no import cycles, a small package root, recipes apart from the library."""
+"""The shape of the house (docs/architecture.md): no import cycles, a small package root, recipes apart from the library."""
 
 from __future__ import annotations
 

@@ -100,7 +100,7 @@ def test_kl_bias_correction_multiplies_the_kl_by_the_ratio(qwen2_model, chatml_t
     m = trained_positions(batch).bool()
     with torch.no_grad():
         lp, ref = naive_logprobs(model, batch)[m], naive_logprobs(ref_model, batch)[m]
-    old = batch.old_logprobs[m].double()
+    old = batch.sampler_logprobs[m].double()
     d = ref - lp
     naive = 0.1 * ((torch.exp(d) - d - 1) * torch.exp(lp - old)).mean()
     torch.testing.assert_close(loss.detach().double(), naive, rtol=1e-4, atol=1e-7)

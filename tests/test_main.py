@@ -219,6 +219,27 @@ def test_a_short_run_writes_every_output(tmp_path):
 
 @pytest.mark.slow
 @needs_asset
+def test_logged_train_metrics_do_not_depend_on_the_micro_batch_size(tmp_path):
+    """16 rollouts a step in micro-batches of 4 and of 16: the same logged loss, entropy and clip fraction."""
+    logged = {}
+    for mb in (4, 16):
+        out = tmp_path / f"mb{mb}"
+        res = run_main("--model", str(MODEL), "--batch-size", "4", "--group-size", "4", "--eval-size", "2",
+                       "--pass-k", "1", "--pass-k-size", "0", "--max-new-tokens", "24", "--threads", "1",
+                       "--steps", "2", "--eval-every", "0", "--micro-batch-size", str(mb), "--output-dir", str(out))
+        assert res.returncode == 0, res.stderr[-3000:]
+        logged[mb] = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in logged[4]] == [r["step"] for r in logged[16]] == [1, 2]
+    for small, big in zip(logged[4], logged[16], strict=True):
+        assert small["train/tokens"] == big["train/tokens"]  # the same episodes
+        assert small["train/loss"] == pytest.approx(big["train/loss"], abs=1e-6)
+        assert small["train/entropy"] == pytest.approx(big["train/entropy"], rel=1e-5)
+        assert small["train/clip_frac"] == pytest.approx(big["train/clip_frac"], rel=1e-5, abs=1e-12)
+        assert small["train/entropy"] > 0
+
+
+@pytest.mark.slow
+@needs_asset
 def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
     args = [*SMALL, "--steps", "6", "--eval-every", "3", "--checkpoint-every", "2"]
     full_dir, killed_dir = tmp_path / "full", tmp_path / "killed"
@@ -405,6 +426,60 @@ def test_a_resumed_run_continues_its_wandb_run(finished_run, tmp_path, capfd, mo
     code = load_main().main([*FINISHED, "--steps", "3", "--output-dir", str(out), "--resume"])
     assert code == 0, capfd.readouterr().err[-3000:]
     assert fake.inits[0]["id"] == "run1" and fake.inits[0]["resume"] == "allow"
+
+
+# ---------------------------------------------------------------- the GPU flags, exercised on the CPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_device_cuda_without_cuda_is_one_line_exit_2(tmp_path):
+    res = run_main(*SMALL, "--device", "cuda", "--output-dir", str(tmp_path / "out"))
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-3000:]
+    assert lines[0] == "main.py: error: --device cuda: CUDA is not available on this machine (use --device cpu or auto)"
+    assert not (tmp_path / "out").exists()
+
+
+@needs_asset
+def test_bfloat16_with_gradient_checkpointing_trains_and_resume_keeps_the_dtype(tmp_path, capfd):
+    out = tmp_path / "bf16"
+    argv = [*SMALL, "--steps", "2", "--eval-every", "0", "--eval-size", "2", "--dtype", "bfloat16",
+            "--gradient-checkpointing", "--output-dir", str(out)]
+    assert load_main().main(argv) == 0, capfd.readouterr().err[-3000:]
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["train/grad_norm"]) for r in rows)
+    state = json.loads((out / "checkpoints" / "step-000002" / "state.json").read_text())
+    assert state["args"]["dtype"] == "bfloat16" and state["args"]["device"] == "cpu"
+    from safetensors.torch import load_file
+
+    assert {t.dtype for t in load_file(str(out / "final" / "model.safetensors")).values()} == {torch.bfloat16}
+    capfd.readouterr()
+    again = [*SMALL, "--steps", "3", "--eval-every", "0", "--eval-size", "2", "--output-dir", str(out), "--resume"]
+    line = _refused(again, out, capfd, "--dtype")  # --dtype auto is float32 on a CPU
+    assert "'float32'" in line and "'bfloat16'" in line
+
+
+@needs_asset
+def test_a_checkpoint_whose_weights_do_not_fit_is_one_line_exit_2(tmp_path, capfd):
+    out = tmp_path / "run"
+    argv = [*SMALL, "--steps", "1", "--eval-every", "0", "--eval-size", "2", "--output-dir", str(out)]
+    assert load_main().main(argv) == 0
+    ckpt = out / "checkpoints" / "step-000001"
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(ckpt / "model.safetensors"))
+    name = next(k for k, v in weights.items() if v.dim() == 2)
+    weights[name] = torch.zeros(weights[name].shape[0] + 1, weights[name].shape[1])  # another architecture's
+    save_file(weights, str(ckpt / "model.safetensors"))
+    from SimpleTorchLLMRL.utils.checkpoint import MANIFEST, _sha256
+
+    manifest = json.loads((ckpt / MANIFEST).read_text())  # kept verifiable: the refusal must come from the weights
+    path = ckpt / "model.safetensors"
+    manifest["files"]["model.safetensors"] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    capfd.readouterr()
+    line = _refused([*argv, "--steps", "2", "--resume"], out, capfd, "does not fit the model")
+    assert "size mismatch" in line
 
 
 def test_unequal_json_columns_are_one_line(tmp_path):

@@ -169,7 +169,7 @@ def episode_batch(model, tok, groups=2, group_size=2, view=False):
     def respond(agent):
         def call(rs):
             prompted.setdefault(agent, []).append([encode_prompt(r, tok) for r in rs])
-            return gen.responses(rs, adapter=agent)
+            return [m[0] for m in gen.generate(rs, adapter=agent)]
         return call
 
     for agent in ["A", "B", "A"]:
@@ -200,7 +200,7 @@ def test_the_mask_trains_exactly_the_chosen_agents_sampled_ids(view):
             for row, ts in enumerate(turns):
                 mask = batch.loss_mask[row].bool()
                 assert batch.input_ids[row][mask].tolist() == [t for m in ts for t in m.token_ids], style
-                sampled = batch.old_logprobs[row][mask]
+                sampled = batch.sampler_logprobs[row][mask]
                 assert sampled.tolist() == pytest.approx([x for m in ts for x in m.logprobs], abs=1e-6)
             # what the agent was prompted with + what it sampled is a prefix of what it is trained on
             for k, batch_prompts in enumerate(prompted[agent]):

@@ -90,10 +90,10 @@ def test_shared_transcript_mask_is_exactly_the_chosen_agents_tokens(any_tokenize
     masked = [t for t, m in zip(enc.input_ids, enc.loss_mask, strict=True) if m]
     assert masked == [t for m in agent_turns(r, "A") for t in m.token_ids]
     # masked positions carry A's sampled log-probs; B's and C's sampled tokens are context (logprobs kept, mask 0)
-    masked_lp = [lp for lp, m in zip(enc.old_logprobs, enc.loss_mask, strict=True) if m]
+    masked_lp = [lp for lp, m in zip(enc.sampler_logprobs, enc.loss_mask, strict=True) if m]
     assert masked_lp == [-0.1] * len(agent_turns(r, "A")[0].token_ids) + [-0.3] * len(agent_turns(r, "A")[1].token_ids)
     n_sampled = sum(len(m.token_ids) for m in r if m.token_ids)
-    assert sum(not math.isnan(x) for x in enc.old_logprobs) == n_sampled
+    assert sum(not math.isnan(x) for x in enc.sampler_logprobs) == n_sampled
 
 
 def test_shared_transcript_text_turns(any_tokenizer):
@@ -134,7 +134,7 @@ def test_view_keeps_own_sampled_tokens_and_masks_only_them(any_tokenizer):
         assert [m.logprobs for m in agent_turns(v, agent)] == [m.logprobs for m in own]
         enc = encode_rollout(v, tok)
         assert [t for t, m in zip(enc.input_ids, enc.loss_mask, strict=True) if m] == [t for m in own for t in m.token_ids]
-        assert sum(not math.isnan(x) for x in enc.old_logprobs) == sum(len(m.token_ids) for m in own)
+        assert sum(not math.isnan(x) for x in enc.sampler_logprobs) == sum(len(m.token_ids) for m in own)
 
 
 def test_take_turn_prefix_invariant(any_tokenizer):

@@ -1,4 +1,4 @@
-"""The public import paths are part of the contract (DESIGN.md): they must keep working."""
+"""The public import paths are part of the contract (docs/architecture.md): they must keep working."""
 
 import importlib
 import subprocess

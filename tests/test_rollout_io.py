@@ -46,8 +46,8 @@ def test_round_trip_is_exact_including_encodings(tmp_path, chatml_tokenizer, suf
     assert [r.metadata for r in back] == [r.metadata for r in rollouts]
     for e1, e2 in zip(encode_rollouts(rollouts, tok), encode_rollouts(back, tok), strict=True):
         assert (e1.input_ids, e1.loss_mask, e1.message_index) == (e2.input_ids, e2.loss_mask, e2.message_index)
-        same_nan = [math.isnan(x) for x in e1.old_logprobs] == [math.isnan(x) for x in e2.old_logprobs]
-        assert same_nan and all(x == y for x, y in zip(e1.old_logprobs, e2.old_logprobs, strict=True)
+        same_nan = [math.isnan(x) for x in e1.sampler_logprobs] == [math.isnan(x) for x in e2.sampler_logprobs]
+        assert same_nan and all(x == y for x, y in zip(e1.sampler_logprobs, e2.sampler_logprobs, strict=True)
                                 if not math.isnan(x))
 
 

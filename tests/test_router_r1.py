@@ -365,7 +365,8 @@ def test_one_ppo_step_trains_actor_and_critic(tok):
     assert {id(p) for p in trainer.algo.value_head.parameters()} <= {
         id(p) for g in trainer.critic_opt.param_groups for p in g["params"]}
     metrics = trainer.train_step(trainer.train_rows)
-    assert metrics["train/num_sequences"] == 2 and metrics["train/actor_updated"] == 1.0  # 4 rollouts, micro 2
+    # 4 rollouts in micro-batches of 2: the logged metrics are the whole mini-batch's (combine_metrics)
+    assert metrics["train/num_sequences"] == 4 and metrics["train/actor_updated"] == 1.0
     assert all(v == v for v in metrics.values())  # no NaN
     assert changed(head, trainer.algo.value_head.parameters()) and changed(actor, trainer.policy.parameters())
     assert "train/kl" in metrics and "train/value_loss" in metrics

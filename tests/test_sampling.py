@@ -97,7 +97,7 @@ def truncated_probs(logits: torch.Tensor, temperature: float, top_k: int | None,
 def test_first_token_distribution_matches_the_model(setup, temperature, top_k, top_p):
     tok, model, r, logits = setup
     gen = ModelGenerate(model, tok, max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, seed=5)
-    (msgs,) = gen.group_generate([r], n=6000)
+    (msgs,) = gen.generate([r], n=6000)
     ids = torch.tensor([m.token_ids[0] for m in msgs])
     probs = truncated_probs(logits, temperature, top_k, top_p)
     counts = torch.bincount(ids, minlength=len(probs))
@@ -117,7 +117,7 @@ def test_the_models_own_sampling_config_is_overridden(setup):
     saved = (cfg.do_sample, cfg.top_k, cfg.temperature, cfg.top_p)
     cfg.do_sample, cfg.top_k, cfg.temperature, cfg.top_p = True, 3, 0.1, 0.5
     try:
-        (msgs,) = ModelGenerate(model, tok, max_new_tokens=1, temperature=1.0, seed=9).group_generate([r], n=6000)
+        (msgs,) = ModelGenerate(model, tok, max_new_tokens=1, temperature=1.0, seed=9).generate([r], n=6000)
     finally:
         cfg.do_sample, cfg.top_k, cfg.temperature, cfg.top_p = saved
     ids = torch.tensor([m.token_ids[0] for m in msgs])

@@ -50,7 +50,7 @@ def test_chatml_single_turn(chatml_tokenizer):
         ("<|im_start|>assistant\n", 0), ("It is 4.", 1), (im_end, 1), ("\n", 0),
     ])
     assert tok.decode(enc.input_ids) == tok.apply_chat_template(r.to_chat(), tokenize=False)
-    assert enc.old_logprobs is None
+    assert enc.sampler_logprobs is None
 
 
 def test_chatml_multi_turn_with_tool_messages(chatml_tokenizer):
@@ -112,7 +112,7 @@ def test_sampled_ids_used_verbatim_even_when_not_canonical(chatml_tokenizer):
     assert enc.input_ids == prompt_ids + sampled
     assert enc.loss_mask == [0] * len(prompt_ids) + [1] * len(sampled)
     assert enc.message_index == [-1] * len(prompt_ids) + [1] * len(sampled)
-    lp = enc.old_logprobs
+    lp = enc.sampler_logprobs
     assert all(math.isnan(x) for x in lp[: len(prompt_ids)])
     assert lp[len(prompt_ids):] == pytest.approx(logps)
     assert enc.sampling_temperature == 0.7
@@ -231,15 +231,15 @@ def test_collate_shapes_padding_and_logprobs(chatml_tokenizer):
     batch = collate([a, b], tok.pad_token_id)
     B, Tn = batch.input_ids.shape
     assert (B, Tn) == (2, max(len(a), len(b)))
-    for t in (batch.attention_mask, batch.loss_mask, batch.old_logprobs):
+    for t in (batch.attention_mask, batch.loss_mask, batch.sampler_logprobs):
         assert t.shape == (2, Tn)
     assert batch.attention_mask[0].tolist() == [1] * len(a) + [0] * (Tn - len(a))
     assert batch.input_ids[0, len(a):].eq(tok.pad_token_id).all()
     assert batch.loss_mask[0].tolist() == a.loss_mask + [0] * (Tn - len(a))
-    got = batch.old_logprobs[0, : len(a)]
-    want = torch.tensor([float("nan") if x != x else x for x in a.old_logprobs])
+    got = batch.sampler_logprobs[0, : len(a)]
+    want = torch.tensor([float("nan") if x != x else x for x in a.sampler_logprobs])
     assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.allclose(got.nan_to_num(), want.nan_to_num())
-    assert torch.isnan(batch.old_logprobs[1]).all()
+    assert torch.isnan(batch.sampler_logprobs[1]).all()
     assert batch.num_tokens == sum(a.loss_mask) + sum(b.loss_mask)
     sub = batch[1]
     assert sub.input_ids.shape == (1, Tn) and torch.equal(sub.loss_mask[0], batch.loss_mask[1])

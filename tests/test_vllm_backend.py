@@ -115,7 +115,7 @@ def test_finish_reasons_from_completion_outputs(vllm, tok, model_dir):
 
 def test_greedy_group_repeats_prompts_instead_of_n(vllm, tok, model_dir):
     llm = vllm.LLM(model_dir)
-    groups = ModelGenerate(llm, tok, max_new_tokens=4, do_sample=False).group_generate(rollouts(2), n=2)
+    groups = ModelGenerate(llm, tok, max_new_tokens=4, do_sample=False).generate(rollouts(2), n=2)
     assert [[m.token_ids == g[0].token_ids for m in g] for g in groups] == [[True, True], [True, True]]
     assert llm.generate_calls[-1]["n_prompts"] == 4
 

@@ -48,7 +48,7 @@ NAN = float("nan")
 class EncodedRollout:
     """Token-level view of one rollout. All lists have the same length.
 
-    old_logprobs[t] is the sampled log-prob of input_ids[t] (NaN where the
+    sampler_logprobs[t] is the sampled log-prob of input_ids[t] (NaN where the
     token was not sampled by a generator); None when no message carries any.
     message_index[t] is the index of the message whose sampled or trained
     token input_ids[t] is, -1 for template text and untrained messages.
@@ -56,12 +56,17 @@ class EncodedRollout:
 
     input_ids: list[int]
     loss_mask: list[int]
-    old_logprobs: list[float] | None
+    sampler_logprobs: list[float] | None
     sampling_temperature: float | None = None
     message_index: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def old_logprobs(self) -> list[float] | None:
+        """Deprecated spelling of `sampler_logprobs` (the generator's, not the trainer's old policy)."""
+        return self.sampler_logprobs
 
 
 @dataclass
@@ -71,20 +76,20 @@ class Batch:
     input_ids      long  token ids (pad_token_id where padded)
     attention_mask long  1 on real tokens
     loss_mask      long  1 on trainable tokens
-    old_logprobs   float sampled log-prob of input_ids[:, t], NaN where unknown; None if no rollout has any
+    sampler_logprobs float the generator's log-prob of input_ids[:, t], NaN where unknown; None if no rollout has any
     message_index  long  the message a sampled / trained token belongs to, -1 elsewhere (None if not known)
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor
-    old_logprobs: torch.Tensor | None = None
+    sampler_logprobs: torch.Tensor | None = None
     sampling_temperature: float | None = None
     message_index: torch.Tensor | None = None
 
     def _map(self, fn) -> Batch:
         keep = lambda t: None if t is None else fn(t)  # noqa: E731
-        return Batch(fn(self.input_ids), fn(self.attention_mask), fn(self.loss_mask), keep(self.old_logprobs),
+        return Batch(fn(self.input_ids), fn(self.attention_mask), fn(self.loss_mask), keep(self.sampler_logprobs),
                      self.sampling_temperature, keep(self.message_index))
 
     def to(self, device) -> Batch:
@@ -102,6 +107,11 @@ class Batch:
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def old_logprobs(self) -> torch.Tensor | None:
+        """Deprecated spelling of `sampler_logprobs` (the generator's, not the trainer's old policy)."""
+        return self.sampler_logprobs
 
     @property
     def num_tokens(self) -> int:
@@ -306,7 +316,7 @@ def _finish(enc: EncodedRollout, rollout: Rollout, max_length: int | None, trunc
                 "pass truncate=True to cut it, or raise max_length"
             )
         cut = lambda xs: None if xs is None else xs[:max_length]  # noqa: E731
-        enc = EncodedRollout(cut(enc.input_ids), cut(enc.loss_mask), cut(enc.old_logprobs), None,
+        enc = EncodedRollout(cut(enc.input_ids), cut(enc.loss_mask), cut(enc.sampler_logprobs), None,
                              cut(enc.message_index))
     enc.sampling_temperature = _sampling_temperature(rollout)
     return enc
@@ -402,8 +412,8 @@ def collate(encoded: list[EncodedRollout], pad_token_id: int, pad_to_multiple_of
     input_ids = field((e.input_ids for e in encoded), pad_token_id, torch.long)  # (B, T)
     loss_mask = field((e.loss_mask for e in encoded), 0, torch.long)  # (B, T)
     old = None
-    if any(e.old_logprobs is not None for e in encoded):
-        old = field((e.old_logprobs if e.old_logprobs is not None else [NAN] * len(e) for e in encoded),
+    if any(e.sampler_logprobs is not None for e in encoded):
+        old = field((e.sampler_logprobs if e.sampler_logprobs is not None else [NAN] * len(e) for e in encoded),
                     NAN, torch.float32)  # (B, T)
     index = None
     if all(e.message_index is not None for e in encoded):

@@ -26,8 +26,18 @@ import torch
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
 from SimpleTorchLLMRL.model.sampling import Sample, SamplingConfig, cut_sample, default_eos_ids  # noqa: F401 (Sample, cut_sample: older import path)
+from SimpleTorchLLMRL.utils.warn import warn_user
 
 BACKENDS = ("auto", "hf", "vllm")
+_SAMPLING_DEFAULTS = dict(max_new_tokens=50, temperature=0.7, do_sample=True, top_p=None, top_k=None, stop=None,
+                          tool_call_stop=None, eos_token_ids=None)
+_WARNED: set[str] = set()  # deprecated spellings already reported in this process
+
+
+def _deprecated(old: str, new: str) -> None:
+    if old not in _WARNED:
+        _WARNED.add(old)
+        warn_user(f"ModelGenerate.{old} is deprecated; use {new}", DeprecationWarning)
 
 
 def is_vllm_llm(model) -> bool:
@@ -51,16 +61,23 @@ def _per_rollout(adapter, count: int) -> list[str | None] | None:
     return None if all(a is None for a in adapters) else adapters
 
 
+def _messages_key(rollout: Rollout) -> tuple:
+    """What a prompt is encoded from: the rollout's messages, by identity and content."""
+    return tuple((id(m), m.content) for m in rollout.messages)
+
+
 class ModelGenerate:
     """Generate MODEL turns for rollouts with an HF model or a `vllm.LLM`.
 
         gen = ModelGenerate(model, tokenizer, max_new_tokens=128, temperature=0.8, stop=["</answer>"], seed=0)
         gen.batch_rollout_generate_response(rollouts)        # appends one MODEL message to each
-        groups = gen.group_generate(rollouts, n=8)           # list[list[Message]], 8 per rollout
+        groups = gen.generate(rollouts, n=8)                 # list[list[Message]], 8 per rollout
         gen.generate(rollouts, adapter="solver")             # with one agent's LoRA adapter (model/adapters.py)
 
     model: an HF causal LM (peft models too), a `vllm.LLM`, or with `backend="vllm"` a model path.
-    stop: stop strings (kept in text and ids); tool_call_stop: stop strings that end the turn with
+    sampling: the sampling options as one `SamplingConfig` (max_new_tokens, temperature, do_sample,
+    top_p, top_k, stop, tool_call_stop, eos_token_ids); the same options are also keyword arguments
+    (give one or the other). stop: stop strings (kept in text and ids); tool_call_stop: stop strings that end the turn with
     finish_reason "tool_call" (e.g. "</tool_call>"). eos_token_ids: ids that end a turn (default:
     tokenizer EOS + model generation-config EOS). seed: makes the sequence of calls reproducible.
     batch_size: HF backend only, at most this many sequences per `generate` call (None: all at
@@ -73,7 +90,18 @@ class ModelGenerate:
                  stop: str | Sequence[str] | None = None, *, tool_call_stop: str | Sequence[str] | None = None,
                  eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
                  batch_size: int | None = None, backend: str = "auto", lora_request=None,
-                 vllm_kwargs: dict | None = None, policy_version: int = 0):
+                 vllm_kwargs: dict | None = None, policy_version: int = 0, sampling: SamplingConfig | None = None):
+        if sampling is not None:
+            given = dict(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample, top_p=top_p,
+                         top_k=top_k, stop=stop, tool_call_stop=tool_call_stop, eos_token_ids=eos_token_ids)
+            both = sorted(k for k, v in given.items() if v != _SAMPLING_DEFAULTS[k])
+            if both:
+                raise ValueError(f"ModelGenerate got sampling= and also {both}; put them in the SamplingConfig")
+            if not isinstance(sampling, SamplingConfig):
+                raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+            max_new_tokens, temperature, do_sample = sampling.max_new_tokens, sampling.temperature, sampling.do_sample
+            top_p, top_k, stop, tool_call_stop = sampling.top_p, sampling.top_k, sampling.stop, sampling.tool_call_stop
+            eos_token_ids = sampling.eos_token_ids or None
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size <= 0):
@@ -101,6 +129,7 @@ class ModelGenerate:
             self.backend = HFBackend(model, tokenizer, self.config, batch_size)
         self.model = getattr(self.backend, "llm", model)  # the engine when built from a model path
         self.tokenizer = tokenizer
+        self._fitted: dict[int, tuple[object, int, list[int]]] = {}  # id(rollout) -> prompt ids `fits` encoded
         self.policy_version = int(policy_version)
         if not eos_token_ids:
             self.config.eos_token_ids = default_eos_ids(tokenizer, getattr(self.backend, "model", None))
@@ -121,12 +150,26 @@ class ModelGenerate:
 
     # -- prompts
     def prompt_ids(self, rollouts: Sequence[Rollout]) -> list[list[int]]:
-        return [encode_prompt(r, self.tokenizer) for r in rollouts]
+        """Each rollout's prompt ids; a prompt that `fits` just encoded (same rollout, same messages) is reused."""
+        out = []
+        for r in rollouts:
+            seen = self._fitted.pop(id(r), None)
+            fresh = seen is not None and seen[0] is r and seen[1] == _messages_key(r)
+            out.append(seen[2] if fresh else encode_prompt(r, self.tokenizer))
+        self._fitted.clear()
+        return out
 
     def fits(self, rollout: Rollout) -> bool:
-        """Whether the rollout's prompt plus `max_new_tokens` fits the model's context."""
+        """Whether the rollout's prompt plus `max_new_tokens` fits the model's context.
+
+        The encoded prompt is kept for the next `generate` of this rollout, so a turn's prompt
+        is encoded once."""
         ctx = self.max_context
-        return ctx is None or len(encode_prompt(rollout, self.tokenizer)) + self.max_new_tokens <= ctx
+        if ctx is None:
+            return True
+        ids = encode_prompt(rollout, self.tokenizer)
+        self._fitted[id(rollout)] = (rollout, _messages_key(rollout), ids)
+        return len(ids) + self.max_new_tokens <= ctx
 
     def _check_prompts(self, prompts: list[list[int]]) -> None:
         ctx = self.max_context
@@ -191,18 +234,20 @@ class ModelGenerate:
 
     def responses(self, rollouts: Sequence[Rollout], *,
                   adapter: str | Sequence[str | None] | None = None) -> list[Message]:
-        """One MODEL message per rollout, generated as one batch (per adapter), not appended."""
+        """Deprecated: `[m[0] for m in generate(rollouts)]`."""
+        _deprecated("responses", "generate(rollouts), one list of messages per rollout")
         return [msgs[0] for msgs in self.generate(rollouts, adapter=adapter)]
 
     def batch_rollout_generate_response(self, rollouts: Sequence[Rollout], *,
                                         adapter: str | Sequence[str | None] | None = None) -> None:
         """Append one MODEL message to each rollout, generated as one batch."""
-        for r, msg in zip(rollouts, self.responses(rollouts, adapter=adapter), strict=True):
-            r.add_messages(msg)
+        for r, msgs in zip(rollouts, self.generate(rollouts, adapter=adapter), strict=True):
+            r.add_messages(msgs[0])
 
     def group_generate(self, rollouts: Sequence[Rollout], n: int, *,
                        adapter: str | Sequence[str | None] | None = None) -> list[list[Message]]:
-        """GRPO form: `n` completions per rollout, [rollout][sample]."""
+        """Deprecated: `generate(rollouts, n)`."""
+        _deprecated("group_generate", "generate(rollouts, n)")
         return self.generate(rollouts, n, adapter=adapter)
 
     def group_rollout_generate_response(self, rollouts: Sequence[Rollout], n: int, *,

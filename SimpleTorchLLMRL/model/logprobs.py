@@ -4,7 +4,7 @@ Legend: B batch, T tokens, H hidden size, V vocab, N selected positions, n chunk
 
 Per-token tensors are (B, T) and ALIGNED WITH input_ids:
 `logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`; column 0 is 0 (nothing
-predicts the first token), so they line up with `loss_mask` and `old_logprobs`.
+predicts the first token), so they line up with `loss_mask` and `sampler_logprobs`.
 
 A full (B, T, V) float32 log-softmax is never built. The model runs once to
 its final hidden states (`output_hidden_states=True, logits_to_keep=1`, so the
@@ -21,6 +21,18 @@ scores chunks of `chunk_size` positions at a time:
   right away: three matmuls in all, like the naive path, one chunk in memory.
 - any other head (peft-wrapped, quantized, soft-capped logits): each chunk runs
   under `torch.utils.checkpoint`, so backward keeps one chunk's logits at a time.
+
+Two kernels score a chunk, chosen by one switch, `head_impl`:
+
+- "cpu": row blocks inside a chunk whose float32 scratch stays under glibc's mmap
+  threshold (fast on CPUs, where fresh large blocks are page-faulted on every use);
+- "gpu": whole-chunk ops, the head's matmuls in its own dtype (bf16 tensor cores)
+  with float32 accumulation and float32 softmax statistics, chunks sized by bytes
+  (`GPU_CHUNK_BYTES` of logits) rather than by a token count: a handful of
+  large kernels per chunk and no per-row Python loop on the device.
+
+"auto" (the default) takes "gpu" for CUDA tensors and "cpu" otherwise; "gpu" runs
+on the CPU too, so its numerics are tested without a GPU.
 
 Entropy is a diagnostic: it is returned detached.
 """
@@ -44,7 +56,10 @@ from SimpleTorchLLMRL.model.shared_prefix import (
 )
 from SimpleTorchLLMRL.utils.warn import warn_user
 
-DEFAULT_CHUNK_SIZE = 512
+DEFAULT_CHUNK_SIZE = None  # None: 512 tokens on the "cpu" kernel, GPU_CHUNK_BYTES of logits on the "gpu" one
+CPU_CHUNK_SIZE = 512
+GPU_CHUNK_BYTES = 512 * 2**20
+HEAD_IMPLS = ("auto", "cpu", "gpu")
 SCRATCH_BYTES = 16 * 2**20  # row blocks for the softmax sums inside a chunk stay under glibc's mmap threshold
 _VERIFIED: weakref.WeakSet = weakref.WeakSet()  # models whose head was checked once
 
@@ -247,6 +262,83 @@ class _LinearChunks:
         return tuple(out)
 
 
+class _DeviceChunks(_LinearChunks):
+    """The "gpu" kernel: whole-chunk ops; matmuls in the head's dtype, accumulated and returned in float32.
+
+    Per chunk: one logits GEMM, logsumexp, one exp, one product-sum for the entropy, and in
+    backward two GEMMs (d hidden, d weight accumulated in place in float32). On CPU the
+    float32-output GEMM is not available and the logits are rounded to the head's dtype first.
+    """
+
+    def score(self, hc: torch.Tensor, yc: torch.Tensor, probs: bool, entropy: bool):
+        z = _mm_f32(hc.to(self.W.dtype), self.W.t())  # (n, V) float32
+        if self.b is not None:
+            z += self.b.float()
+        if self.inv_temp != 1.0:
+            z.mul_(self.inv_temp)
+        logit_y = z.gather(1, yc[:, None]).squeeze(1)  # (n,)
+        lse = torch.logsumexp(z, dim=-1)  # (n,)
+        logsm = z.sub_(lse[:, None])  # (n, V) log-softmax, in place
+        p = logsm.exp() if (probs or entropy) else None  # (n, V)
+        ent = -(p * logsm).sum(-1) if entropy else None  # (n,)
+        return logit_y - lse, ent, p
+
+    def accumulate(self, g: torch.Tensor, hc: torch.Tensor, sl: slice) -> None:
+        low = g.to(self.W.dtype)  # (n, V): the GEMMs run on tensor cores when the head is bf16 / fp16
+        if self.grad_h is not None:
+            self.grad_h[sl] = _mm_f32(low, self.W).to(self.grad_h.dtype)
+        if self.grad_w is not None:
+            _addmm_f32_(self.grad_w, low.t(), hc.to(self.W.dtype))
+        if self.grad_b is not None:
+            self.grad_b += g.sum(0)
+
+
+_F32_OUT = {"ok": True}  # CUDA GEMMs with a float32 output (torch >= 2.8); off after the first refusal
+
+
+def _f32_out(a: torch.Tensor) -> bool:
+    return _F32_OUT["ok"] and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b as float32, accumulated in float32 (CUDA: one GEMM with a float32 output, no rounding to bf16)."""
+    if _f32_out(a):
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):
+            _F32_OUT["ok"] = False
+    return torch.mm(a, b).float()
+
+
+def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b in place, acc float32, a and b in the head's dtype."""
+    if _f32_out(a):
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, TypeError):
+            _F32_OUT["ok"] = False
+    acc.add_(torch.mm(a, b))
+
+
+def _kernel(impl: str, device: torch.device):
+    """The chunk kernel class of `head_impl` for tensors on `device`."""
+    if impl not in HEAD_IMPLS:
+        raise ValueError(f"head_impl={impl!r} is invalid; expected one of {HEAD_IMPLS}")
+    if impl == "auto":
+        impl = "gpu" if device.type == "cuda" else "cpu"
+    return _DeviceChunks if impl == "gpu" else _LinearChunks
+
+
+def _chunk_tokens(kernel, chunk_size: int | None, vocab: int) -> int:
+    """Tokens per chunk: the caller's, else 512 on the cpu kernel, GPU_CHUNK_BYTES of float32 logits on gpu."""
+    if chunk_size is not None:
+        return chunk_size
+    if kernel is _DeviceChunks:
+        return max(64, GPU_CHUNK_BYTES // (4 * vocab) // 64 * 64)
+    return CPU_CHUNK_SIZE
+
+
 def _chunks(n: int, size: int):
     return [slice(s, s + size) for s in range(0, n, size)]
 
@@ -259,9 +351,11 @@ class _LinearLogProb(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, y, inv_temp, chunk_size, upcast, jacobian):
+    def forward(ctx, h, weight, bias, y, inv_temp, chunk_size, upcast, jacobian, impl):
         # h (N, H), weight (V, H), bias (V,) | None, y (N,)
-        head = _LinearChunks(weight, bias, inv_temp, upcast, need=(jacobian, False, False), like=h.float())
+        kernel = _kernel(impl, h.device)
+        chunk_size = _chunk_tokens(kernel, chunk_size, weight.shape[0])
+        head = kernel(weight, bias, inv_temp, upcast, need=(jacobian, False, False), like=h.float())
         N = h.shape[0]
         logp = torch.empty(N, dtype=torch.float32, device=h.device)
         ent = torch.empty(N, dtype=torch.float32, device=h.device)
@@ -272,7 +366,7 @@ class _LinearLogProb(torch.autograd.Function):
                 head.accumulate(head.dlogp_dlogits(p, yc, torch.ones_like(logp[sl])), hc, sl)
             del p
         ctx.save_for_backward(h, weight, bias, y, head.grad_h)
-        ctx.inv_temp, ctx.chunk_size, ctx.upcast = inv_temp, chunk_size, upcast
+        ctx.inv_temp, ctx.chunk_size, ctx.upcast, ctx.kernel = inv_temp, chunk_size, upcast, kernel
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
@@ -280,14 +374,14 @@ class _LinearLogProb(torch.autograd.Function):
     def backward(ctx, grad_logp, _grad_ent):
         h, weight, bias, y, jac = ctx.saved_tensors
         need = tuple(ctx.needs_input_grad[:3])
-        nones = (None,) * 5
+        nones = (None,) * 6
         if jac is not None and not (need[1] or need[2]):
             return (grad_logp[:, None] * jac).to(h.dtype), None, None, *nones
-        head = _LinearChunks(weight, bias, ctx.inv_temp, ctx.upcast, need=need, like=h)
+        head = ctx.kernel(weight, bias, ctx.inv_temp, ctx.upcast, need=need, like=h)
         for sl in _chunks(h.shape[0], ctx.chunk_size):
             _, _, p = head.score(h[sl], y[sl], probs=True, entropy=False)
             head.accumulate(head.dlogp_dlogits(p, y[sl], grad_logp[sl].float()), h[sl], sl)
-        return *head.grads(weight, bias), None, *nones[:4]
+        return *head.grads(weight, bias), None, *nones[:5]
 
 
 class _FusedTokenLoss(torch.autograd.Function):
@@ -299,8 +393,10 @@ class _FusedTokenLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, y, token_loss, inv_temp, chunk_size, upcast, need):
-        head = _LinearChunks(weight, bias, inv_temp, upcast, need=need, like=h)
+    def forward(ctx, h, weight, bias, y, token_loss, inv_temp, chunk_size, upcast, need, impl):
+        kernel = _kernel(impl, h.device)
+        chunk_size = _chunk_tokens(kernel, chunk_size, weight.shape[0])
+        head = kernel(weight, bias, inv_temp, upcast, need=need, like=h)
         N = h.shape[0]
         logp = torch.empty(N, dtype=torch.float32, device=h.device)
         ent = torch.empty(N, dtype=torch.float32, device=h.device)
@@ -327,7 +423,7 @@ class _FusedTokenLoss(torch.autograd.Function):
     def backward(ctx, grad_total, _grad_logp, _grad_ent):
         grads = ctx.head.grads(*ctx.params, scale=None if float(grad_total) == 1.0 else grad_total)
         del ctx.head
-        return *grads, None, None, None, None, None, None
+        return *grads, None, None, None, None, None, None, None
 
 
 def _generic_chunk(head, softcap, inv_temp):
@@ -348,33 +444,41 @@ def supports_fused(head: nn.Module, softcap: float | None = None) -> bool:
     return type(head) is nn.Linear and type(head.weight.data) is torch.Tensor and not softcap
 
 
-def _check(temperature: float, chunk_size: int) -> float:
+def _check(temperature: float, chunk_size: int | None, head_impl: str = "auto") -> float:
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1 (or None: by kernel), got {chunk_size}")
+    if head_impl not in HEAD_IMPLS:
+        raise ValueError(f"head_impl={head_impl!r} is invalid; expected one of {HEAD_IMPLS}")
     return 1.0 / float(temperature)
 
 
 def logprobs_from_hidden(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, *,
-                         temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                         softcap: float | None = None, upcast: bool = False, fused: bool | None = None):
+                         temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+                         softcap: float | None = None, upcast: bool = False, fused: bool | None = None,
+                         head_impl: str = "auto"):
     """Chunked log-prob and entropy of `targets` given the hidden states that predict them.
 
     hidden (N, H), targets (N,) -> (logp (N,) float32, entropy (N,) float32 detached).
     `upcast` runs the head's matmul in float32 (plain Linear heads only; logits
     and the log-softmax are always float32). `fused=None` picks the custom
     autograd path for a plain `nn.Linear` head, checkpointed chunks otherwise.
+    head_impl: the chunk kernel of the custom path, "auto" | "cpu" | "gpu" (module docstring).
+    chunk_size None: by kernel (512 tokens on cpu, GPU_CHUNK_BYTES of logits on gpu).
     """
-    inv_temp = _check(temperature, chunk_size)
+    inv_temp = _check(temperature, chunk_size, head_impl)
     grad = torch.is_grad_enabled()
     if fused is None:
         fused = supports_fused(head, softcap)
     if fused:
         frozen = not head.weight.requires_grad and not (head.bias is not None and head.bias.requires_grad)
         jacobian = grad and hidden.requires_grad and frozen
-        return _LinearLogProb.apply(hidden, head.weight, head.bias, targets, inv_temp, chunk_size, upcast, jacobian)
+        return _LinearLogProb.apply(hidden, head.weight, head.bias, targets, inv_temp, chunk_size, upcast, jacobian,
+                                    head_impl)
     run = _generic_chunk(head, softcap, inv_temp)
+    if chunk_size is None:
+        chunk_size = CPU_CHUNK_SIZE
     outs = [checkpoint(run, hidden[sl], targets[sl], use_reentrant=False) if grad else run(hidden[sl], targets[sl])
             for sl in _chunks(hidden.shape[0], chunk_size)]
     if not outs:
@@ -384,7 +488,8 @@ def logprobs_from_hidden(hidden: torch.Tensor, head: nn.Module, targets: torch.T
 
 
 def fused_token_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, token_loss, *,
-                     temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE, upcast: bool = False):
+                     temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE, upcast: bool = False,
+                     head_impl: str = "auto"):
     """sum_i token_loss(logp, sl)_i with the backward work done chunk by chunk during the forward.
 
     hidden (N, H), targets (N,). `token_loss(logp (n,), sl)` returns the (n,)
@@ -392,16 +497,17 @@ def fused_token_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tenso
     logp only through elementwise ops, everything else it reads must be a
     constant (advantages, old / reference log-probs, weights). Returns
     (loss scalar with grad, logp (N,) detached, entropy (N,) detached).
-    Needs a plain `nn.Linear` head (see `supports_fused`).
+    Needs a plain `nn.Linear` head (see `supports_fused`). head_impl: as `logprobs_from_hidden`.
     """
-    inv_temp = _check(temperature, chunk_size)
+    inv_temp = _check(temperature, chunk_size, head_impl)
     if not supports_fused(head):
         raise ValueError(f"fused_token_loss needs a plain nn.Linear output head, got {type(head).__name__}")
     grad = torch.is_grad_enabled()
     bias = head.bias
     need = (grad and hidden.requires_grad, grad and head.weight.requires_grad,
             grad and bias is not None and bias.requires_grad)
-    return _FusedTokenLoss.apply(hidden, head.weight, bias, targets, token_loss, inv_temp, chunk_size, upcast, need)
+    return _FusedTokenLoss.apply(hidden, head.weight, bias, targets, token_loss, inv_temp, chunk_size, upcast, need,
+                                 head_impl)
 
 
 def scatter_positions(values: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
@@ -415,8 +521,8 @@ def scatter_positions(values: torch.Tensor, select: torch.Tensor) -> torch.Tenso
 
 
 def logprobs_at(hidden: torch.Tensor, model, input_ids: torch.Tensor, positions: torch.Tensor, *,
-                temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE, upcast: bool = False,
-                fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE, upcast: bool = False,
+                fused: bool | None = None, head_impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) log-probs and entropy of input_ids from hidden (B, T, H), only where `positions` (B, T) is set.
 
     Column 0 and unset positions are 0.
@@ -425,14 +531,14 @@ def logprobs_at(hidden: torch.Tensor, model, input_ids: torch.Tensor, positions:
     h = hidden[:, :-1][select]  # (N, H) ... is predicted from position t
     y = input_ids[:, 1:][select]  # (N,)
     lp, ent = logprobs_from_hidden(h, output_head(model), y, temperature=temperature, chunk_size=chunk_size,
-                                   softcap=logit_softcap(model), upcast=upcast, fused=fused)
+                                   softcap=logit_softcap(model), upcast=upcast, fused=fused, head_impl=head_impl)
     return scatter_positions(lp, select), scatter_positions(ent, select)
 
 
-def token_logprobs(model, batch, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
+def token_logprobs(model, batch, temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE,
                    return_entropy: bool = False, *, positions: torch.Tensor | None = None,
                    return_hidden: bool = False, upcast: bool = False, fused: bool | None = None,
-                   share_prefix: bool = False):
+                   share_prefix: bool = False, head_impl: str = "auto"):
     """Per-token log-probs of `batch.input_ids` under `model` at `temperature`, (B, T).
 
     batch: a `Batch` (or anything with `input_ids` and `attention_mask`).
@@ -442,8 +548,10 @@ def token_logprobs(model, batch, temperature: float = 1.0, chunk_size: int = DEF
     when `return_entropy` or `return_hidden` is set (the hidden states come from
     the same forward, e.g. for a value head). share_prefix: rows with the same tokens
     before their first scored position run those tokens once (`final_hidden_states`'s
-    `start`); hidden states before that position are then 0.
+    `start`); hidden states before that position are then 0. head_impl: the chunk
+    kernel, "auto" | "cpu" | "gpu" (module docstring).
     """
+    _check(temperature, chunk_size, head_impl)
     input_ids, attention_mask = batch.input_ids, batch.attention_mask
     if positions is None:
         positions = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
@@ -452,7 +560,7 @@ def token_logprobs(model, batch, temperature: float = 1.0, chunk_size: int = DEF
     start = first_positions(positions) if share_prefix else None
     hidden = final_hidden_states(model, input_ids, attention_mask, start=start)  # (B, T, H)
     logp, ent = logprobs_at(hidden, model, input_ids, positions, temperature=temperature,
-                            chunk_size=chunk_size, upcast=upcast, fused=fused)
+                            chunk_size=chunk_size, upcast=upcast, fused=fused, head_impl=head_impl)
     if not (return_entropy or return_hidden):
         return logp
     return TokenLogProbs(logp, ent if return_entropy else None, hidden if return_hidden else None)

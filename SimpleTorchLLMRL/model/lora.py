@@ -66,20 +66,44 @@ def lora_config(r: int = 16, alpha: float = 32, target_modules: str | list[str] 
 
 
 def apply_lora(model: nn.Module, r: int = 16, alpha: float = 32, target_modules: str | list[str] = "all-linear",
-               dropout: float = 0.0, **kwargs: Any):
+               dropout: float = 0.0, *, adapter_dtype: torch.dtype | str = "base", **kwargs: Any):
     """Wrap `model` in a `PeftModel` with LoRA adapters; only adapter weights require grad.
 
     target_modules="all-linear" adapts every linear layer except the output
     head. Extra kwargs (e.g. `init_lora_weights=False`, `use_rslora=True`,
     `modules_to_save=[...]`) are passed to `peft.LoraConfig`.
+
+    adapter_dtype: "base" (default) keeps the adapters in the base model's floating dtype
+    (a 4-bit base: its compute dtype), so peft never upcasts a layer's input and keeps that
+    copy for backward (a bf16 model with float32 adapters peaks higher than full fine-tuning);
+    torch.float32 (or "float32") gives float32 adapters, peft's own default, at that cost.
     """
     from peft import get_peft_model
 
     if is_peft_model(model):
         raise ValueError("apply_lora got a model that is already a PeftModel; add adapters with model.add_adapter")
+    dtype = adapter_dtype_for(model, adapter_dtype)
     if "fan_in_fan_out" not in kwargs and any(type(m).__name__ == "Conv1D" for m in model.modules()):
         kwargs["fan_in_fan_out"] = True  # GPT-2 style Conv1D stores weights as (in, out)
-    return get_peft_model(model, lora_config(r, alpha, target_modules, dropout, **kwargs))
+    peft_model = get_peft_model(model, lora_config(r, alpha, target_modules, dropout, **kwargs),
+                                autocast_adapter_dtype=False)
+    for name, param in peft_model.named_parameters():
+        if param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    return peft_model
+
+
+def adapter_dtype_for(model: nn.Module, adapter_dtype: torch.dtype | str = "base") -> torch.dtype:
+    """The dtype LoRA adapters get: "base" = the model's floating weights' dtype (4-bit: compute dtype)."""
+    if adapter_dtype != "base":
+        return _resolve_dtype(adapter_dtype, "adapter_dtype")
+    quant = getattr(getattr(model, "config", None), "quantization_config", None)
+    compute = quant.get("bnb_4bit_compute_dtype") if isinstance(quant, dict) else getattr(
+        quant, "bnb_4bit_compute_dtype", None)
+    if compute is not None and is_quantized(model):
+        return _resolve_dtype(str(compute).removeprefix("torch."), "bnb_4bit_compute_dtype")
+    floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    return max(set(floating), key=floating.count) if floating else torch.float32
 
 
 def bnb_4bit_config(compute_dtype: torch.dtype | str | None = None):
@@ -128,8 +152,9 @@ def load_qlora(path_or_id: str, r: int = 16, alpha: float = 32, target_modules: 
                **lora_kwargs: Any):
     """QLoRA: load `path_or_id` in 4-bit NF4 (double quantization), prepare it for k-bit training, add LoRA.
 
-    The base weights are frozen 4-bit; the LoRA adapters (and the norms that
-    `prepare_model_for_kbit_training` upcasts) stay in float32. With QLoRA the
+    The base weights are frozen 4-bit; the LoRA adapters are in the compute dtype (pass
+    adapter_dtype=torch.float32 in lora_kwargs for float32 ones); the norms that
+    `prepare_model_for_kbit_training` upcasts stay in float32. With QLoRA the
     base cannot be merged losslessly: sync vLLM through the adapter path.
     `model_kwargs` go to `AutoModelForCausalLM.from_pretrained` (e.g. device_map).
     """
@@ -145,6 +170,7 @@ def load_qlora(path_or_id: str, r: int = 16, alpha: float = 32, target_modules: 
     model = AutoModelForCausalLM.from_pretrained(path_or_id, quantization_config=bnb_4bit_config(dtype), **kwargs)
     keep_cpu_4bit_differentiable(model)
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    lora_kwargs.setdefault("adapter_dtype", dtype)
     return apply_lora(model, r, alpha, target_modules, dropout, **lora_kwargs)
 
 

@@ -22,31 +22,43 @@ import torch
 from torch import nn
 
 from SimpleTorchLLMRL.chat.message import Rollout
-from SimpleTorchLLMRL.model.logprobs import DEFAULT_CHUNK_SIZE, final_hidden_states, logprobs_at
+from SimpleTorchLLMRL.model.logprobs import (
+    DEFAULT_CHUNK_SIZE,
+    final_hidden_states,
+    logprobs_at,
+    token_logprobs,
+)
 from SimpleTorchLLMRL.trainer import advantages as A
-from SimpleTorchLLMRL.trainer.losses import KL_ESTIMATORS, Clip, clipped_surrogate, token_mean, value_loss
-from SimpleTorchLLMRL.trainer.rollout_batch import (
-    RolloutTrainer,
+from SimpleTorchLLMRL.trainer.batch import (
+    ComputeOptions,
+    StepOutput,
     TrainBatch,
+    as_train_batch,
+    check_policy,
     check_rewards,
+    encode,
     model_device,
     old_and_tis,
+    reference_logprobs,
+    resolve_temperature,
     staleness_metrics,
     trained_mask,
+    warn_if_dropout,
 )
+from SimpleTorchLLMRL.trainer.losses import KL_ESTIMATORS, Clip, clipped_surrogate, token_mean, value_loss
 
 
 @dataclass
 class PPOConfig:
-    """PPO options; each is also a keyword argument of `PPO`.
+    """The options that change PPO's math; each is also a keyword argument of `PPO`.
 
     eps / eps_high / dual_clip: policy ratio clip. vf_coef: weight of the value loss.
     gamma, lam: GAE. cliprange_value: value clip around the old values (None: off).
     beta: per-token KL penalty in the reward (kl_estimator, default k1); 0 skips the reference.
     whiten_advantages: normalize advantages over the batch's trained tokens.
     temperature: None follows the rollouts' sampling temperature (see GRPOConfig).
-    tis_cap: truncated importance sampling cap against the sampled log-probs (None: off).
-    chunk_size: vocabulary chunk of the log-prob computation. max_length / truncate: as encode_rollout.
+    tis_cap: truncated importance sampling cap against the sampler's log-probs (None: off).
+    (chunk_size, head_impl, max_length, truncate are `ComputeOptions`.)
     """
 
     eps: float = 0.2
@@ -61,9 +73,6 @@ class PPOConfig:
     whiten_advantages: bool = True
     temperature: float | None = None
     tis_cap: float | None = None
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    max_length: int | None = None
-    truncate: bool = False
 
     def __post_init__(self):
         checks = [
@@ -71,13 +80,43 @@ class PPOConfig:
             ("lam", 0 <= self.lam <= 1, "in [0, 1]"), ("beta", self.beta >= 0, ">= 0"),
             ("cliprange_value", self.cliprange_value is None or self.cliprange_value > 0, "None or > 0"),
             ("kl_estimator", self.kl_estimator in KL_ESTIMATORS, f"one of {sorted(KL_ESTIMATORS)}"),
-            ("temperature", self.temperature is None or self.temperature > 0, "None or > 0"), ("chunk_size", self.chunk_size >= 1, "an int >= 1"),
+            ("temperature", self.temperature is None or self.temperature > 0, "None or > 0"),
             ("tis_cap", self.tis_cap is None or self.tis_cap > 0, "None or > 0"),
         ]
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"PPO {name}={getattr(self, name)!r} is invalid; expected {allowed}")
         self.clip = Clip(self.eps, self.eps if self.eps_high is None else self.eps_high, self.dual_clip)
+
+
+def ppo_loss(logp: torch.Tensor, entropy: torch.Tensor, values: torch.Tensor, old: torch.Tensor,
+             tis: torch.Tensor | None, adv: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor,
+             mask: torch.Tensor, config: PPOConfig, normalizer: float,
+             ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's loss unit, pure: policy loss + vf_coef * value loss (token means over the FULL batch's
+    `normalizer` trained tokens), and its metrics in `combine_metrics` form. Every tensor (B, T)."""
+    per_token, clip_stats = clipped_surrogate(logp - old, logp, adv, config.clip)
+    if tis is not None:
+        per_token = per_token * tis
+    policy_loss = token_mean(per_token, mask, normalizer)
+    vf_loss = token_mean(value_loss(values, old_values, returns, config.cliprange_value), mask, normalizer)
+    loss = policy_loss + config.vf_coef * vf_loss
+    with torch.no_grad():
+        m = mask.bool()
+        mean = lambda x: x[m].float().mean().item()  # noqa: E731
+        ratio = torch.exp(logp - old)[m]
+        metrics = dict(loss=loss.item(), policy_loss=policy_loss.item(), value_loss=vf_loss.item(),
+                       entropy=mean(entropy), value_mean=mean(values), return_mean=mean(returns),
+                       advantage_mean=mean(adv), clip_frac_low=mean(clip_stats["clipped_low"]),
+                       clip_frac_high=mean(clip_stats["clipped_high"]), ratio_mean=ratio.mean().item(),
+                       ratio_min=ratio.min().item(), ratio_max=ratio.max().item(), num_tokens=int(m.sum()),
+                       num_sequences=mask.shape[0])
+        metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
+        if tis is not None:
+            metrics["tis_weight_mean"] = mean(tis)
+        if ref_logprobs is not None:
+            metrics["kl"] = mean(KL_ESTIMATORS[config.kl_estimator](logp, ref_logprobs))
+    return loss, metrics
 
 
 def hidden_size(model) -> int:
@@ -88,8 +127,10 @@ def hidden_size(model) -> int:
     return int(size)
 
 
-class PPO(RolloutTrainer):
-    """Actor-critic PPO over `Rollout`s; `calculate_loss` returns policy + vf_coef * value loss."""
+class PPO:
+    """Actor-critic PPO over `Rollout`s; `calculate_loss` returns policy + vf_coef * value loss.
+
+    `metrics` and `token_logprobs` record the last loss call; `compute` returns them."""
 
     name = "PPO"
 
@@ -98,21 +139,28 @@ class PPO(RolloutTrainer):
                  vf_coef: float = 0.1, gamma: float = 1.0, lam: float = 0.95, cliprange_value: float | None = 0.2,
                  beta: float = 0.0, kl_estimator: str = "k1", whiten_advantages: bool = True,
                  temperature: float | None = None, tis_cap: float | None = None,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE, max_length: int | None = None, truncate: bool = False):
-        """The options are PPOConfig's (see its docstring); value_head: a module (H -> 1), default a new
-        Linear on the policy's (or the critic's) hidden size; critic: a separate model for the values."""
-        config = PPOConfig(eps=eps, eps_high=eps_high, dual_clip=dual_clip, vf_coef=vf_coef, gamma=gamma, lam=lam,
-                           cliprange_value=cliprange_value, beta=beta, kl_estimator=kl_estimator,
-                           whiten_advantages=whiten_advantages, temperature=temperature, tis_cap=tis_cap,
-                           chunk_size=chunk_size, max_length=max_length, truncate=truncate)
-        super().__init__(model, tokenizer, config, ref_model)
-        self.critic = critic
+                 chunk_size: int | None = DEFAULT_CHUNK_SIZE, head_impl: str = "auto", max_length: int | None = None,
+                 truncate: bool = False):
+        """The options are PPOConfig's and ComputeOptions' (see their docstrings); value_head: a module
+        (H -> 1), default a new Linear on the policy's (or the critic's) hidden size; critic: a separate
+        model for the values."""
+        self.config = PPOConfig(eps=eps, eps_high=eps_high, dual_clip=dual_clip, vf_coef=vf_coef, gamma=gamma,
+                                lam=lam, cliprange_value=cliprange_value, beta=beta, kl_estimator=kl_estimator,
+                                whiten_advantages=whiten_advantages, temperature=temperature, tis_cap=tis_cap)
+        self.compute_options = ComputeOptions(chunk_size=chunk_size, head_impl=head_impl, max_length=max_length,
+                                              truncate=truncate)
+        check_policy(self.name, model, tokenizer, ref_model, self.config.beta)
+        self.model, self.tokenizer, self.ref_model, self.critic = model, tokenizer, ref_model, critic
         if value_head is None:
             value_head = nn.Linear(hidden_size(critic if critic is not None else model), 1)
             nn.init.normal_(value_head.weight, std=0.02)
             nn.init.zeros_(value_head.bias)
             value_head.to(model_device(critic if critic is not None else model))
         self.value_head = value_head
+        self.policy_version: int | None = None  # the trainer's current version: staleness metrics when set
+        self.metrics: dict[str, float] = {}  # the last loss call's metrics
+        self.token_logprobs: torch.Tensor | None = None  # (B, T) of the last loss call, NaN where not trained
+        self._dropout_checked = False
 
     def value_parameters(self) -> list[nn.Parameter]:
         """Parameters of the value head (and the critic, if any): add them to the optimizer."""
@@ -127,13 +175,13 @@ class PPO(RolloutTrainer):
         v = self.value_head(hidden[:, :-1].to(head_dtype)).squeeze(-1).float()  # (B, T-1)
         return torch.cat([v.new_zeros(v.shape[0], 1), v], dim=1)
 
-    def _forward(self, tb_batch, mask, temperature):
+    def _forward(self, batch, mask, temperature):
         """One policy forward -> (logp, entropy, values), all (B, T)."""
-        hidden = final_hidden_states(self.model, tb_batch.input_ids, tb_batch.attention_mask)
-        logp, ent = logprobs_at(hidden, self.model, tb_batch.input_ids, mask, temperature=temperature,
-                                chunk_size=self.config.chunk_size)
+        hidden = final_hidden_states(self.model, batch.input_ids, batch.attention_mask)
+        logp, ent = logprobs_at(hidden, self.model, batch.input_ids, mask, temperature=temperature,
+                                chunk_size=self.compute_options.chunk_size, head_impl=self.compute_options.head_impl)
         if self.critic is not None:
-            hidden = final_hidden_states(self.critic, tb_batch.input_ids, tb_batch.attention_mask)
+            hidden = final_hidden_states(self.critic, batch.input_ids, batch.attention_mask)
         return logp, ent, self.values(hidden) * mask.to(torch.float32)
 
     def token_rewards(self, tb: TrainBatch, old_logp: torch.Tensor) -> torch.Tensor:
@@ -153,55 +201,51 @@ class PPO(RolloutTrainer):
 
     def prepare(self, rollouts: list[Rollout], rewards, compute_old: bool = True) -> TrainBatch:
         """Encode; with compute_old, run the policy once without grad for old log-probs, values and GAE."""
+        cfg, opts = self.config, self.compute_options
         r = check_rewards(rewards, len(rollouts))
-        batch = self.encode(rollouts)
+        batch = encode(self.name, rollouts, self.tokenizer, model_device(self.model), opts.max_length, opts.truncate)
         mask = trained_mask(batch)
-        temperature = self.resolve_temperature(batch)
-        tb = TrainBatch(batch, mask, r.to(batch.input_ids.device), temperature, float(mask.sum()),
-                        ref_logprobs=self.reference_logprobs(batch, mask, temperature),
+        temperature = resolve_temperature(self.name, cfg.temperature, batch.sampling_temperature)
+        ref = None
+        if cfg.beta > 0:
+            ref = reference_logprobs(self.model, self.ref_model, lambda m: token_logprobs(
+                m, batch, temperature, opts.chunk_size, positions=mask, head_impl=opts.head_impl))
+        tb = TrainBatch(batch, mask, r.to(batch.input_ids.device), temperature, float(mask.sum()), ref_logprobs=ref,
                         metrics={"reward_mean": r.mean().item(), "reward_std": r.std().item() if len(r) > 1 else 0.0,
-                                 **staleness_metrics(rollouts, self.policy_version)})
+                                 "temperature": temperature, **staleness_metrics(rollouts, self.policy_version)})
         if compute_old:
             with torch.no_grad():
                 logp, _, values = self._forward(batch, mask, temperature)
-            old, _ = old_and_tis(logp, batch.old_logprobs, mask, self.config.tis_cap)
+            old, _ = old_and_tis(logp, batch.sampler_logprobs, mask, cfg.tis_cap)
             tb.old_logprobs, tb.old_values = logp, values
             tb.advantages, tb.returns = self._advantages(tb, old, values)
         return tb
 
-    def loss(self, tb: TrainBatch, normalizer: float | None = None) -> torch.Tensor:
-        """policy loss + vf_coef * value loss (token-mean); normalizer: the FULL batch's trained tokens."""
+    def compute(self, tb: TrainBatch, normalizer: float | None = None) -> StepOutput:
+        """Loss, metrics and recomputed log-probs of a prepared (micro-)batch.
+
+        normalizer: the FULL batch's trained tokens when micro-batching yourself (a `split` keeps it)."""
         cfg, mask = self.config, tb.mask
-        self.check_dropout()
+        if not self._dropout_checked:
+            self._dropout_checked = warn_if_dropout(self.name, self.model)
         logp, ent, values = self._forward(tb.batch, mask, tb.temperature)
         trainer_old = tb.old_logprobs if tb.old_logprobs is not None else logp.detach()
-        old, tis = old_and_tis(trainer_old, tb.batch.old_logprobs, mask, cfg.tis_cap)
+        old, tis = old_and_tis(trainer_old, tb.sampler_logprobs, mask, cfg.tis_cap)
         old_values = tb.old_values if tb.old_values is not None else values.detach()
         adv, returns = (tb.advantages, tb.returns) if tb.advantages is not None else self._advantages(
             tb, old, old_values)
-        per_token, clip_stats = clipped_surrogate(logp - old, logp, adv, cfg.clip)
-        if tis is not None:
-            per_token = per_token * tis
         norm = normalizer if normalizer is not None else tb.normalizer
-        policy_loss = token_mean(per_token, mask, norm)
-        vf_loss = token_mean(value_loss(values, old_values, returns, cfg.cliprange_value), mask, norm)
-        loss = policy_loss + cfg.vf_coef * vf_loss
-        with torch.no_grad():
-            m = mask.bool()
-            mean = lambda x: x[m].float().mean().item()  # noqa: E731
-            ratio = torch.exp(logp - old)[m]
-            self.metrics = dict(tb.metrics, loss=loss.item(), policy_loss=policy_loss.item(),
-                                value_loss=vf_loss.item(), entropy=mean(ent), value_mean=mean(values),
-                                return_mean=mean(returns), advantage_mean=mean(adv),
-                                clip_frac_low=mean(clip_stats["clipped_low"]),
-                                clip_frac_high=mean(clip_stats["clipped_high"]),
-                                ratio_mean=ratio.mean().item(), ratio_min=ratio.min().item(),
-                                ratio_max=ratio.max().item(), num_tokens=int(m.sum()),
-                                num_sequences=len(tb), temperature=tb.temperature)
-            self.metrics["clip_frac"] = self.metrics["clip_frac_low"] + self.metrics["clip_frac_high"]
-            if tis is not None:
-                self.metrics["tis_weight_mean"] = mean(tis)
-            if tb.ref_logprobs is not None:
-                self.metrics["kl"] = mean(KL_ESTIMATORS[cfg.kl_estimator](logp, tb.ref_logprobs))
-            self.token_logprobs = torch.where(m, logp.detach().float(), torch.nan)  # (B, T), for `logprob_drift`
-        return loss
+        loss, metrics = ppo_loss(logp, ent, values, old, tis, adv, returns, old_values, mask, cfg, norm,
+                                 tb.ref_logprobs)
+        metrics = {**tb.metrics, **metrics, "temperature": tb.temperature}
+        full = torch.where(mask.bool(), logp.detach().float(), torch.nan)  # (B, T), for `logprob_drift`
+        self.metrics, self.token_logprobs = metrics, full  # the record of this call
+        return StepOutput(loss, metrics, full)
+
+    def loss(self, tb: TrainBatch, normalizer: float | None = None) -> torch.Tensor:
+        """The scalar loss of a prepared (micro-)batch (`compute(...).loss`)."""
+        return self.compute(tb, normalizer).loss
+
+    def calculate_loss(self, rollouts, rewards=None, normalizer: float | None = None) -> torch.Tensor:
+        """Scalar loss over `rollouts` and their (B,) rewards, or over a prepared `TrainBatch`."""
+        return self.compute(as_train_batch(rollouts, rewards, self.prepare), normalizer).loss

@@ -11,8 +11,9 @@ roles and agent names: mean and max |d|, and the share of tokens whose ratio
 exp(d) lies outside [1 - band, 1 + band]. `report.worst()` names the turns to look at.
 
     for micro in prepared.split(4):
-        grpo.calculate_loss(micro).backward()
-        parts.append((micro.batch, grpo.token_logprobs))     # (B, T) recomputed, NaN where not
+        out = grpo.compute(micro)
+        out.loss.backward()
+        parts.append((micro.batch, out.token_logprobs))      # (B, T) recomputed, NaN where not
     report = logprob_drift(rollouts, parts)
     print(report)                  # per role / agent, then the worst messages
     logger.log(step, report.summary(), prefix="drift/")

@@ -61,7 +61,11 @@ def _load_model_state(model, state: dict[str, torch.Tensor]) -> None:
 
         set_peft_model_state_dict(model, state)
     else:
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = model.load_state_dict(state, strict=False)
+        except RuntimeError as e:  # "size mismatch for ...": another architecture's weights
+            detail = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), str(e))
+            raise ValueError(f"checkpoint does not fit the model: {detail}") from e
         if unexpected or [k for k in missing if k not in _tied_keys(model)]:
             raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
 
@@ -225,14 +229,14 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None, scheduler=No
     if problem is not None:
         raise ValueError(f"checkpoint {path} is not usable: {problem}")
     _load_model_state(model, load_file(str(path / "model.safetensors")))
-    opt = torch.load(path / "optimizer.pt", weights_only=False)
+    opt = torch.load(path / "optimizer.pt", weights_only=False, map_location="cpu")  # the optimizer moves it
     if optimizer is not None and opt["optimizer"] is not None:
         optimizer.load_state_dict(opt["optimizer"])
     if scheduler is not None and opt["scheduler"] is not None:
         scheduler.load_state_dict(opt["scheduler"])
     if restore_rng:
-        set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+        set_rng_state(torch.load(path / "rng.pt", weights_only=False, map_location="cpu"))
     state = json.loads((path / "state.json").read_text())
     if (path / "extra.pt").exists():
-        state["extra"] = torch.load(path / "extra.pt", weights_only=False)
+        state["extra"] = torch.load(path / "extra.pt", weights_only=False, map_location="cpu")
     return state

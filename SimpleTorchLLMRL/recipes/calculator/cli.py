@@ -22,6 +22,8 @@ from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 
 DEFAULT_MODEL = TINY_CALC
 BACKENDS = ("hf", "vllm")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16")
 MAX_PASS_K = 64  # pass@k samples k episodes per problem at every evaluation; more would dwarf training
 
 
@@ -42,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="jsonl / json / parquet file or HF datasets name with 'question' and 'answer' fields "
                         "(default: built-in synthetic arithmetic)")
     p.add_argument("--backend", choices=BACKENDS, default="hf", help="generation backend")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where the model generates, trains and evaluates (auto: cuda when available)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="the model's weights (auto: bfloat16 on cuda, float32 on cpu); a resumed run keeps it")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each layer's activations in backward (less memory, ~30%% more compute)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of the full model")
     p.add_argument("--qlora", action="store_true", help="4-bit base + LoRA adapters (bitsandbytes)")
     p.add_argument("--lora-rank", type=int, default=16)
@@ -82,8 +90,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def resolve_device(args: argparse.Namespace) -> None:
+    """--device / --dtype "auto" -> what they are on this machine (written into args, and so into checkpoints)."""
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: CUDA is not available on this machine (use --device cpu or auto)")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Every flag and the output dir, before anything is loaded or written."""
+    resolve_device(args)
     positive = ("steps", "batch_size", "group_size", "micro_batch_size", "max_new_tokens", "max_turns",
                 "eval_size", "pass_k", "threads", "lora_rank")
     for name in positive:
@@ -188,13 +209,17 @@ def load_policy(args: argparse.Namespace):
         if args.qlora:
             from SimpleTorchLLMRL.model.lora import load_qlora
 
-            model = load_qlora(name, r=args.lora_rank, alpha=args.lora_alpha)
+            model = load_qlora(name, r=args.lora_rank, alpha=args.lora_alpha, compute_dtype=args.dtype,
+                               gradient_checkpointing=args.gradient_checkpointing,
+                               model_kwargs={"device_map": {"": args.device}})
         else:
-            model = AutoModelForCausalLM.from_pretrained(name, dtype="float32")
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=args.dtype).to(args.device)
+            if args.gradient_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if args.lora:
                 from SimpleTorchLLMRL.model.lora import apply_lora
 
-                model = apply_lora(model, r=args.lora_rank, alpha=args.lora_alpha)
+                model = apply_lora(model, r=args.lora_rank, alpha=args.lora_alpha)  # adapters in --dtype
     except (OSError, ValueError, KeyError, ImportError, RuntimeError) as e:
         raise UsageError(f"--model {args.model}: cannot load it: {_first_line(e)}") from e
     if tokenizer.pad_token_id is None:

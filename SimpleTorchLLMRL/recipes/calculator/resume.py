@@ -6,7 +6,7 @@
     save_checkpoint(..., state=checkpoint_state(args, model, step, wandb_run_id))
 
 Refused, with nothing written (exit 2): a flag that shapes the weights differs (compared
-first: --model, --lora, --qlora, --lora-rank, --lora-alpha, then the model's config), a flag
+first: --model, --lora, --qlora, --lora-rank, --lora-alpha, --dtype, then the model's config), a flag
 that shapes the data or the updates differs, --steps below the checkpoint's step, every
 checkpoint corrupt (`--restart` starts over instead), a metrics.jsonl with a bad line that is
 not a torn last line.
@@ -26,7 +26,7 @@ from SimpleTorchLLMRL.utils.jsonl import read_jsonl
 from SimpleTorchLLMRL.utils.warn import warn_user
 
 # What the checkpoint's weights are (their names, shapes and meaning): compared before anything else.
-WEIGHT_FLAGS = ("model", "lora", "qlora", "lora_rank", "lora_alpha")
+WEIGHT_FLAGS = ("model", "lora", "qlora", "lora_rank", "lora_alpha", "dtype")
 # What the run trains on and how (--steps may grow).
 RUN_FLAGS = ("dataset", "batch_size", "group_size", "lr", "seed", "temperature", "max_new_tokens", "max_turns",
              "warmup_steps", "micro_batch_size")

@@ -39,6 +39,7 @@ from SimpleTorchLLMRL.recipes.router_r1.generation import (
 )
 from SimpleTorchLLMRL.recipes.router_r1.pool import RoutingPool
 from SimpleTorchLLMRL.recipes.router_r1.reward import RouterReward, RouterRewardOutput
+from SimpleTorchLLMRL.trainer.combine import combine_metrics
 from SimpleTorchLLMRL.trainer.losses import default_normalizer
 from SimpleTorchLLMRL.utils.checkpoint import save_checkpoint, save_pretrained_atomic
 from SimpleTorchLLMRL.utils.metrics import MetricsLogger
@@ -159,16 +160,19 @@ class RouterR1Trainer:
         sums: dict[str, float] = {}
         n = 0
         for _ in range(t.ppo_epochs):
-            for mini in prepared.split(t.ppo_mini_batch_size):
+            for mini in prepared.split(t.ppo_mini_batch_size):  # one optimizer step each
                 norm = self._normalizer(mini)
+                parts = []
                 for micro in mini.split(t.ppo_micro_batch_size):
-                    self.algo.loss(micro, normalizer=norm).backward()
-                    for k, v in self.algo.metrics.items():
-                        if isinstance(v, (int, float)) and math.isfinite(v):
-                            sums[k] = sums.get(k, 0.0) + float(v)
-                    n += 1
+                    out = self.algo.compute(micro, normalizer=norm)
+                    out.loss.backward()
+                    parts.append(out.metrics)
+                for k, v in combine_metrics(parts).items():  # the mini-batch's, whatever the micro-batch size
+                    if isinstance(v, (int, float)) and math.isfinite(v):
+                        sums[k] = sums.get(k, 0.0) + float(v)
+                n += 1
                 self._optimizer_step(actor_on)
-        metrics = {k: v / n for k, v in sums.items()}
+        metrics = {k: v / n for k, v in sums.items()}  # mean over the optimizer steps
         metrics["actor_updated"] = float(actor_on)
         return metrics
 

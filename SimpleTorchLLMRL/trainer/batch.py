@@ -1,0 +1,278 @@
+"""Rollouts -> a token batch on the model's device, and the checks and log-prob passes around it.
+
+Legend: B rollouts, T tokens. Per-token tensors are (B, T), aligned with input_ids.
+
+Plain functions, shared by the GRPO and PPO fronts (no base class). Log-prob
+fields are named by where they come from:
+
+    sampler_logprobs  the generator's, recorded with each sampled token (`Batch.sampler_logprobs`)
+    old_logprobs      recomputed by the trainer before the update (None: on-policy, the current ones)
+    ref_logprobs      the reference policy's (None when beta == 0)
+
+`TrainBatch` carries them with the advantages and splits into micro-batches
+that keep the full batch's normalizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+from typing import NamedTuple
+
+import torch
+
+from SimpleTorchLLMRL.chat.message import Rollout, sampled_versions
+from SimpleTorchLLMRL.chat.tokenize import Batch, rollouts_to_batch
+from SimpleTorchLLMRL.model.adapters import use_adapter
+from SimpleTorchLLMRL.model.dropout import active_dropout
+from SimpleTorchLLMRL.model.logprobs import DEFAULT_CHUNK_SIZE, HEAD_IMPLS, check_vocabulary
+from SimpleTorchLLMRL.model.lora import is_peft_model
+from SimpleTorchLLMRL.trainer.losses import truncated_is_weight
+from SimpleTorchLLMRL.utils.warn import warn_user
+
+# ---------------------------------------------------------------- checks
+
+
+def check_rewards(rewards, num_rollouts: int) -> torch.Tensor:
+    """Rewards as a (B,) float32 CPU tensor; ValueError on a length mismatch or NaN / inf."""
+    r = torch.as_tensor(rewards, dtype=torch.float32).detach().cpu()
+    if r.dim() == 2 and r.shape[1] == 1:
+        r = r[:, 0]
+    if r.dim() != 1 or r.shape[0] != num_rollouts:
+        raise ValueError(f"rewards has shape {tuple(r.shape)} but there are {num_rollouts} rollouts; "
+                         f"expected one reward per rollout, shape ({num_rollouts},)")
+    bad = (~torch.isfinite(r)).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"rewards must be finite; rollouts {bad[:10]} have {r[bad[:10]].tolist()}")
+    return r
+
+
+def check_policy(name: str, model, tokenizer, ref_model, beta: float) -> None:
+    """The policy / reference / tokenizer combination a trainer is built with; ValueError naming the fix."""
+    if ref_model is not None and ref_model is model:
+        raise ValueError(f"{name}: ref_model is the policy itself, so the KL to it is always 0. Pass a frozen "
+                         "copy (copy.deepcopy(model).eval()) or, for a peft model, no ref_model (the adapter is "
+                         "disabled for the reference)")
+    check_vocabulary(model, tokenizer)
+    if beta > 0 and ref_model is None and not is_peft_model(model):
+        raise ValueError(f"{name}: beta={beta} > 0 needs a reference: pass ref_model= "
+                         "(e.g. copy.deepcopy(model).eval()) or use a peft model (its adapter is disabled)")
+
+
+def warn_if_dropout(name: str, model) -> bool:
+    """Warn when a training model has dropout on (ratios are then not exactly 1 on-policy).
+
+    Returns whether the model was checked (it is in training mode): callers check once."""
+    if not model.training:
+        return False
+    active = active_dropout(model)
+    if active:
+        warn_user(f"{name}: the model trains with dropout on ({len(active)} modules, e.g. {active[0]}): "
+                  "log-probs then come from a random sub-network, on-policy ratios are not 1 and clipping "
+                  "bites where it should not. Call SimpleTorchLLMRL.model.dropout.disable_dropout(model) first.")
+    return True
+
+
+def trained_mask(batch: Batch) -> torch.Tensor:
+    """loss_mask without column 0 (nothing predicts the first token), (B, T); every row must train something."""
+    mask = batch.loss_mask.clone()
+    mask[:, 0] = 0
+    empty = (mask.sum(-1) == 0).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"rollouts {empty[:10]} have no trainable token (no trainable MODEL message after "
+                         "the first token); drop them or mark a message trainable=True")
+    return mask
+
+
+def staleness_metrics(rollouts: list[Rollout], current: int | None) -> dict[str, float]:
+    """Versions behind the current policy of the sampled turns: mean and max (empty without versions)."""
+    versions = sampled_versions(rollouts)
+    if current is None or not versions:
+        return {}
+    behind = [current - v for v in versions]
+    return {"staleness_mean": sum(behind) / len(behind), "staleness_max": float(max(behind))}
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+# ---------------------------------------------------------------- encode
+
+
+def encode(name: str, rollouts: list[Rollout], tokenizer, device, max_length: int | None = None,
+           truncate: bool = False) -> Batch:
+    """Rollouts -> a right-padded `Batch` on `device` (as-sampled ids, masks, sampler log-probs)."""
+    if not rollouts:
+        raise ValueError(f"{name}: no rollouts given")
+    return rollouts_to_batch(list(rollouts), tokenizer, max_length, truncate).to(device)
+
+
+def resolve_temperature(name: str, configured: float | None, recorded: float | None) -> float:
+    """The sampling temperature recorded with the log-probs wins (none recorded: the configured one, else 1).
+
+    configured=None (the default) takes the recorded one silently; a configured one that
+    differs from the recorded one is reported, and the recorded one is used.
+    """
+    if recorded is None:
+        return 1.0 if configured is None else configured
+    if configured is not None and abs(recorded - configured) > 1e-6:
+        warn_user(
+            f"{name}: the rollouts were sampled at temperature={recorded} but the trainer is configured with "
+            f"temperature={configured}. Log-probs are recomputed at the sampling temperature {recorded} so the "
+            f"importance ratio compares like with like; pass temperature={recorded} (or None: follow the "
+            "rollouts) to silence this.")
+    return float(recorded)
+
+
+@torch.no_grad()
+def reference_logprobs(model, ref_model, logprobs: Callable) -> torch.Tensor:
+    """(B, T) under the reference: `ref_model`, else `model` with every adapter off (which ones train is kept).
+
+    logprobs(model) -> (B, T): the caller's log-prob pass over its batch.
+    """
+    if ref_model is not None:
+        return logprobs(ref_model)
+    with use_adapter(model, None):
+        return logprobs(model)
+
+
+# ---------------------------------------------------------------- old policy
+
+
+def old_and_tis(trainer_old: torch.Tensor, sampled: torch.Tensor | None, mask: torch.Tensor | None,
+                tis_cap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Old log-probs for the ratio, and the TIS weight (None without tis_cap), both shaped as `trainer_old`.
+
+    The one place GRPO and PPO decide what "old" means. Without TIS the generator's sampled
+    log-probs are the old policy where known (the trainer's recomputed ones elsewhere). With
+    TIS the ratio uses the trainer's recomputed log-probs and min(pi_trainer / pi_sampler, cap)
+    reweights each token. Positions outside `mask` (None: every position is trained) get finite
+    values so nothing NaN reaches the graph. Works on (B, T) and on (N,) trained tokens alike.
+    """
+    m = torch.ones_like(trainer_old, dtype=torch.bool) if mask is None else mask.bool()
+    if sampled is None:
+        return torch.where(m, trainer_old, 0.0), None
+    known = m & ~torch.isnan(sampled)
+    if tis_cap is None:
+        return torch.where(known, sampled, torch.where(m, trainer_old, 0.0)), None
+    weight = truncated_is_weight(trainer_old, torch.where(known, sampled, torch.nan), tis_cap)
+    return torch.where(m, trainer_old, 0.0), weight
+
+
+# ---------------------------------------------------------------- the batch a loss reads
+
+
+def _cut(t: torch.Tensor | None, rows: slice, T: int) -> torch.Tensor | None:
+    """Rows of a (B,) or (B, T) tensor, the latter cut to its first T columns."""
+    if t is None:
+        return None
+    return t[rows, :T] if t.dim() == 2 else t[rows]
+
+
+@dataclass
+class TrainBatch:
+    """Everything a loss needs for one (micro-)batch. Tensors are on the model's device.
+
+    advantages: (B,) for GRPO, (B, T) for PPO, or None (PPO computes them from its values).
+    old_logprobs / ref_logprobs / old_values / returns: (B, T) or None (None old_logprobs:
+    the current policy, detached, i.e. on-policy). The generator's log-probs are
+    `sampler_logprobs` (from `batch`). normalizer: the FULL batch's denominator.
+    metrics: the batch-level numbers of `prepare` (rewards, advantages, staleness).
+    """
+
+    batch: Batch
+    mask: torch.Tensor
+    rewards: torch.Tensor
+    temperature: float
+    normalizer: float
+    advantages: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    metrics: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    @property
+    def sampler_logprobs(self) -> torch.Tensor | None:
+        """(B, T) the generator's log-probs, NaN where unknown; None when no rollout carries any."""
+        return self.batch.sampler_logprobs
+
+    def split(self, micro_batch_size: int) -> list[TrainBatch]:
+        """Row slices of at most `micro_batch_size`, trimmed of all-padding columns."""
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        out = []
+        for s in range(0, len(self), micro_batch_size):
+            rows = slice(s, s + micro_batch_size)
+            T = int(self.batch.attention_mask[rows].sum(-1).max())
+            b = self.batch[rows].columns(T)
+            out.append(replace(self, batch=b, mask=_cut(self.mask, rows, T), rewards=self.rewards[rows],
+                               advantages=_cut(self.advantages, rows, T),
+                               old_logprobs=_cut(self.old_logprobs, rows, T),
+                               ref_logprobs=_cut(self.ref_logprobs, rows, T),
+                               old_values=_cut(self.old_values, rows, T), returns=_cut(self.returns, rows, T),
+                               metrics=dict(self.metrics)))
+        return out
+
+
+class StepOutput(NamedTuple):
+    """One loss call: the scalar loss, its metrics (`combine_metrics` form) and the recomputed log-probs.
+
+    token_logprobs: (B, T) float32, the trainer's log-prob of each trained token, NaN elsewhere
+    (for `logprob_drift`)."""
+
+    loss: torch.Tensor
+    metrics: dict[str, float]
+    token_logprobs: torch.Tensor
+
+
+def as_train_batch(rollouts, rewards, prepare: Callable[..., TrainBatch]) -> TrainBatch:
+    """`calculate_loss`'s input: a prepared `TrainBatch` as it is, or rollouts + rewards prepared on-policy."""
+    if isinstance(rollouts, TrainBatch):
+        if rewards is not None:
+            raise ValueError("calculate_loss(prepared_batch) takes no rewards: they are in the prepared batch")
+        return rollouts
+    if rewards is None:
+        raise ValueError("calculate_loss(rollouts, rewards) needs one reward per rollout")
+    return prepare(rollouts, rewards, compute_old=False)
+
+
+@dataclass
+class ComputeOptions:
+    """How the numbers are computed, not what they are; keyword arguments of `GRPO` and `PPO`.
+
+    chunk_size: trained tokens scored per chunk of the output head (None: by kernel). head_impl: the
+    chunk kernel, "auto" (gpu on CUDA, else cpu), "cpu" or "gpu" (`model.logprobs`). fused: GRPO's token-level loss forms
+    its gradient chunk by chunk in the forward (`fused_token_loss`) when the head allows; False always
+    uses chunked log-probs + autograd (same values). share_prefix: the rows of a group run their shared
+    prompt once (`model.shared_prefix`; checked against the plain forward once per model).
+    max_length / truncate: as `encode_rollout`.
+    """
+
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE
+    head_impl: str = "auto"
+    max_length: int | None = None
+    truncate: bool = False
+    fused: bool = True
+    share_prefix: bool = False
+
+    def __post_init__(self):
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError(f"chunk_size={self.chunk_size!r} is invalid; expected None or an int >= 1")
+        if self.head_impl not in HEAD_IMPLS:
+            raise ValueError(f"head_impl={self.head_impl!r} is invalid; expected one of {HEAD_IMPLS}")
+
+
+def split_options(name: str, options: dict, config_cls) -> tuple[dict, ComputeOptions]:
+    """Keyword arguments -> (those of `config_cls`, ComputeOptions); ValueError naming unknown ones."""
+    compute = {f.name for f in fields(ComputeOptions)}
+    math = {f.name for f in fields(config_cls)}
+    unknown = sorted(set(options) - compute - math)
+    if unknown:
+        raise ValueError(f"{name} got unknown options {unknown}; allowed: {sorted(compute | math)}")
+    return ({k: v for k, v in options.items() if k in math},
+            ComputeOptions(**{k: v for k, v in options.items() if k in compute}))

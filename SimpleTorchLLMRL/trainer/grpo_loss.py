@@ -1,0 +1,208 @@
+"""The GRPO family's loss as one pure unit: trained tokens in, `(loss, metrics)` out, no state.
+
+Legend: B rollouts, T tokens, N trained tokens of the batch, n of a chunk, H hidden size.
+
+    x = token_inputs(tb, select, normalizer, config)          # constants of the per-token loss, (N,)
+    out = grpo_loss(h, head, y, x, config, temperature=...)   # LossOutput(loss, metrics, logprobs (N,))
+
+`metrics` are in the form `combine_metrics` adds up over micro-batches:
+`loss` (a share of the full-batch loss), token means with `num_tokens`, min / max.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from SimpleTorchLLMRL.model.logprobs import fused_token_loss, logprobs_from_hidden, supports_fused
+from SimpleTorchLLMRL.trainer import advantages as A
+from SimpleTorchLLMRL.trainer.batch import TrainBatch, old_and_tis
+from SimpleTorchLLMRL.trainer.losses import (
+    KL_ESTIMATORS,
+    LOSS_TYPES,
+    RATIO_LEVELS,
+    Clip,
+    aggregation_weights,
+)
+
+
+@dataclass
+class GRPOConfig:
+    """The options that change GRPO's math; each is also a keyword argument of `GRPO`.
+
+    Loss: loss_type "grpo" | "dr_grpo" | "dapo" | "bnpo" | "gspo" | "cispo" (see losses.LOSS_TYPES);
+    eps / eps_high: clip range [1 - eps, 1 + eps_high] (eps_high None: eps, 0.28 for dapo);
+    dual_clip: c > 1 caps the loss of negative advantages at -c A (None: off);
+    importance_sampling_level: "token" | "sequence" (GSPO; forced by loss_type="gspo");
+    max_tokens: Dr. GRPO's per-sequence constant, required for loss_type="dr_grpo": the generation budget
+    (the generator's max_new_tokens; times the model turns for multi-turn episodes), as in the paper and
+    TRL's max_completion_length. A batch-dependent constant would rescale the loss from batch to batch.
+
+    KL: beta (0 skips the reference pass); kl_estimator k1 | k2 | k3; kl_bias_correction: multiply the
+    per-token KL by the importance ratio pi/pi_old (DeepSeek-V3.2; TRL's use_bias_correction_kl).
+
+    Off-policy: tis_cap, truncated importance sampling cap (e.g. 2.0) against the sampler's log-probs;
+    temperature: None (default) follows the temperature the rollouts were sampled at (1.0 when none is
+    recorded); a number is used when the rollouts record none (the recorded one wins, with a warning).
+
+    Advantages: advantage_estimator "group" (GRPO), "rloo" or "reinforce++"; group_size: consecutive
+    blocks of G (None: metadata["group_id"], else identical prompts); scale_rewards True/"group",
+    "batch", False/"none" (Dr. GRPO uses False); reward_eps: the std floor.
+    """
+
+    eps: float = 0.2
+    eps_high: float | None = None
+    beta: float = 0.0
+    loss_type: str = "grpo"
+    importance_sampling_level: str = "token"
+    group_size: int | None = None
+    scale_rewards: bool | str = True
+    temperature: float | None = None
+    advantage_estimator: str = "group"
+    kl_estimator: str = "k3"
+    tis_cap: float | None = None
+    max_tokens: int | None = None
+    dual_clip: float | None = None
+    kl_bias_correction: bool = False
+    reward_eps: float = 1e-4
+
+    def __post_init__(self):
+        def bad(name, allowed):
+            raise ValueError(f"GRPO {name}={getattr(self, name)!r} is invalid; expected {allowed}")
+
+        if self.loss_type not in LOSS_TYPES:
+            bad("loss_type", f"one of {sorted(LOSS_TYPES)}")
+        if self.importance_sampling_level not in RATIO_LEVELS:
+            bad("importance_sampling_level", f"one of {RATIO_LEVELS}")
+        if self.advantage_estimator not in A.ADVANTAGE_ESTIMATORS:
+            bad("advantage_estimator", f"one of {A.ADVANTAGE_ESTIMATORS}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            bad("kl_estimator", f"one of {sorted(KL_ESTIMATORS)}")
+        if self.scale_rewards not in (True, False, "group", "batch", "none"):
+            bad("scale_rewards", "True, False, 'group', 'batch' or 'none'")
+        for name, ok, allowed in [
+            ("beta", self.beta >= 0, ">= 0"),
+            ("temperature", self.temperature is None or self.temperature > 0, "None or > 0"),
+            ("group_size", self.group_size is None or self.group_size >= 1, "None or an int >= 1"),
+            ("tis_cap", self.tis_cap is None or self.tis_cap > 0, "None or > 0"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "None or an int >= 1"),
+            ("reward_eps", self.reward_eps >= 0, ">= 0"),
+        ]:
+            if not ok:
+                bad(name, allowed)
+        if self.loss_type == "dr_grpo" and self.max_tokens is None:
+            raise ValueError("GRPO loss_type='dr_grpo' needs max_tokens=: its fixed per-sequence constant, the "
+                             "generation budget (your generator's max_new_tokens, times the model turns for "
+                             "multi-turn episodes)")
+        spec = LOSS_TYPES[self.loss_type]
+        if self.eps_high is None:
+            self.eps_high = spec.default_eps_high if spec.default_eps_high is not None else self.eps
+        self.clip = Clip(self.eps, self.eps_high, self.dual_clip)  # raises on eps / eps_high / dual_clip
+
+    @property
+    def spec(self):
+        return LOSS_TYPES[self.loss_type]
+
+    @property
+    def ratio_level(self) -> str:
+        return self.spec.ratio_level or self.importance_sampling_level
+
+
+class TokenInputs(NamedTuple):
+    """The per-token constants of GRPO's loss, each (N,) over the batch's N trained tokens."""
+
+    advantages: torch.Tensor  # the rollout's advantage, repeated on each of its tokens
+    trainer_old: torch.Tensor  # old log-probs recomputed by the trainer (NaN: not computed, on-policy)
+    sampled: torch.Tensor  # the generator's log-probs (NaN where unknown)
+    ref: torch.Tensor | None  # reference log-probs (None when beta == 0)
+    weight: torch.Tensor  # the aggregator's weight of each token (normalizer included)
+    row: torch.Tensor  # long: the rollout each token belongs to
+    rows: int  # B
+
+
+class LossOutput(NamedTuple):
+    """What a loss unit returns: the scalar loss, its metrics, and the trained tokens' log-probs (detached)."""
+
+    loss: torch.Tensor
+    metrics: dict[str, float]
+    logprobs: torch.Tensor  # (N,) float32, the order of the trained tokens
+
+
+def token_inputs(tb: TrainBatch, select: torch.Tensor, normalizer: float, config: GRPOConfig) -> TokenInputs:
+    """Constants of the per-token loss over the trained tokens. NaN trainer_old = the current policy.
+
+    select (B, T-1) bool: token t+1 is trained (predicted from position t)."""
+    mask = tb.mask
+    pick = lambda t: t[:, 1:][select]  # noqa: E731  (B, T) -> (N,)
+    nan = torch.full(mask.shape, torch.nan, device=mask.device)
+    B = mask.shape[0]
+    return TokenInputs(
+        advantages=pick(tb.advantages[:, None].expand_as(mask).float()),
+        trainer_old=pick(tb.old_logprobs if tb.old_logprobs is not None else nan),
+        sampled=pick(tb.sampler_logprobs if tb.sampler_logprobs is not None else nan),
+        ref=pick(tb.ref_logprobs) if tb.ref_logprobs is not None else None,
+        weight=pick(aggregation_weights(config.spec.aggregate, mask, normalizer)),
+        row=pick(torch.arange(B, device=mask.device)[:, None].expand_as(mask)),
+        rows=B,
+    )
+
+
+def token_terms(config: GRPOConfig, x: TokenInputs, lp: torch.Tensor, sl: slice):
+    """(weighted per-token loss (n,), stats) for the trained tokens `sl`, from their log-probs lp (n,)."""
+    trainer_old = torch.where(torch.isnan(x.trainer_old[sl]), lp.detach(), x.trainer_old[sl])
+    old, tis = old_and_tis(trainer_old, x.sampled[sl], None, config.tis_cap)  # as PPO decides it
+    if config.ratio_level == "sequence":  # GSPO: one length-normalized ratio per rollout (needs every token)
+        row, n = x.row, x.rows
+        count = torch.zeros(n, device=lp.device).index_add_(0, row, torch.ones_like(lp))
+        log_ratio = (torch.zeros(n, device=lp.device).index_add(0, row, lp - old) / count.clamp(min=1))[row]
+    else:
+        log_ratio = lp - old
+    loss, stats = config.spec.policy_loss(log_ratio, lp, x.advantages[sl], config.clip)
+    stats["log_ratio"] = log_ratio
+    if tis is not None:
+        stats["tis"] = tis
+        loss = loss * tis
+    if config.beta > 0:
+        stats["kl"] = KL_ESTIMATORS[config.kl_estimator](lp, x.ref[sl])
+        kl = stats["kl"] * torch.exp(log_ratio) if config.kl_bias_correction else stats["kl"]
+        loss = loss + config.beta * kl
+    return loss * x.weight[sl], stats
+
+
+def grpo_loss(h: torch.Tensor, head, y: torch.Tensor, x: TokenInputs, config: GRPOConfig, *, temperature: float,
+              chunk_size: int | None = None, softcap: float | None = None, fused: bool = True,
+              head_impl: str = "auto") -> LossOutput:
+    """The loss of the trained tokens: h (N, H) hidden states that predict y (N,) through `head`.
+
+    fused (token-level ratios, plain Linear head): the gradient is formed chunk by chunk in the
+    forward (`fused_token_loss`); otherwise chunked log-probs + autograd. Same values either way.
+    head_impl: the chunk kernel of `model.logprobs`, "auto" | "cpu" | "gpu".
+    """
+    opts = dict(temperature=temperature, chunk_size=chunk_size, head_impl=head_impl)
+    if fused and config.ratio_level == "token" and supports_fused(head, softcap):
+        loss, logp, entropy = fused_token_loss(h, head, y, lambda lp, sl: token_terms(config, x, lp, sl)[0], **opts)
+    else:
+        logp, entropy = logprobs_from_hidden(h, head, y, softcap=softcap, **opts)
+        loss = token_terms(config, x, logp, slice(None))[0].sum()
+        logp = logp.detach()
+    return LossOutput(loss, grpo_metrics(config, x, loss, logp, entropy), logp)
+
+
+@torch.no_grad()
+def grpo_metrics(config: GRPOConfig, x: TokenInputs, loss: torch.Tensor, logp: torch.Tensor,
+                 entropy: torch.Tensor) -> dict[str, float]:
+    """Loss, entropy, ratio and clip statistics of one (micro-)batch, in `combine_metrics`' form."""
+    _, st = token_terms(config, x, logp, slice(None))
+    ratio = torch.exp(st["log_ratio"])
+    mean = lambda t: t.float().mean().item()  # noqa: E731
+    out = dict(loss=loss.item(), entropy=mean(entropy), ratio_mean=mean(ratio), ratio_min=ratio.min().item(),
+               ratio_max=ratio.max().item(), clip_frac_low=mean(st["clipped_low"]),
+               clip_frac_high=mean(st["clipped_high"]), num_tokens=int(logp.numel()), num_sequences=x.rows)
+    out["clip_frac"] = out["clip_frac_low"] + out["clip_frac_high"]
+    if "kl" in st:
+        out["kl"] = mean(st["kl"])
+    if "tis" in st:
+        out["tis_weight_mean"] = mean(st["tis"])
+    return out

@@ -1,0 +1,86 @@
+"""The trainer core as a flat pipeline: pure loss units, metrics returned and combined over micro-batches."""
+
+import pytest
+import torch
+from losses_helpers import make_rollouts, perturbed_copy, with_sampled_logprobs
+
+from SimpleTorchLLMRL.model.logprobs import output_head
+from SimpleTorchLLMRL.trainer.combine import combine_metrics
+from SimpleTorchLLMRL.trainer.GRPO import GRPO
+from SimpleTorchLLMRL.trainer.grpo_loss import GRPOConfig, grpo_loss, token_inputs
+from SimpleTorchLLMRL.trainer.PPO import PPO
+
+REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 2.0, 1.0, 0.0])
+KEYS = ("loss", "entropy", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max",
+        "num_tokens", "num_sequences")
+
+
+def _off_policy(model, tok):
+    """Rollouts sampled by a perturbed copy: ratios away from 1, so clipping bites on some tokens."""
+    return with_sampled_logprobs(make_rollouts(2, 4), perturbed_copy(model, 0.3), tok, temperature=1.0)
+
+
+def _grads(model):
+    return torch.cat([p.grad.flatten().clone() for p in model.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "dapo", "gspo", "ppo"])
+def test_micro_batch_metrics_combine_to_the_full_batch(trainer, qwen2_model, chatml_tokenizer):
+    model, tok = qwen2_model, chatml_tokenizer
+    rollouts = _off_policy(model, tok)
+    if trainer == "ppo":
+        algo = PPO(model, tok, beta=0.1, ref_model=perturbed_copy(model, 0.1))
+    else:
+        algo = GRPO(model, tok, loss_type=trainer, group_size=4, beta=0.1, ref_model=perturbed_copy(model, 0.1))
+    prepared = algo.prepare(rollouts, REWARDS)
+    full = algo.compute(prepared)
+    full.loss.backward()
+    g_full = _grads(model)
+    model.zero_grad()
+    parts = []
+    for micro in prepared.split(3):  # 3 + 3 + 2 rows
+        out = algo.compute(micro)
+        out.loss.backward()
+        parts.append(out.metrics)
+    combined = combine_metrics(parts)
+    assert full.metrics["clip_frac"] > 0, "the test needs clipped tokens"
+    for key in (*KEYS, "kl"):
+        assert combined[key] == pytest.approx(full.metrics[key], rel=1e-5, abs=1e-7), key
+    assert combined["reward_mean"] == full.metrics["reward_mean"]
+    torch.testing.assert_close(_grads(model), g_full, rtol=1e-4, atol=1e-6)
+    model.zero_grad()
+    # the last micro-batch alone is NOT the batch: what logging `algo.metrics` after the loop reported
+    assert algo.metrics["num_sequences"] == 2 and algo.metrics["loss"] != pytest.approx(full.metrics["loss"])
+
+
+def test_the_loss_unit_is_pure(qwen2_model, chatml_tokenizer):
+    """grpo_loss reads only its arguments: same inputs, same (loss, metrics), no state on any object."""
+    model, tok = qwen2_model, chatml_tokenizer
+    grpo = GRPO(model, tok, group_size=4)
+    tb = grpo.prepare(_off_policy(model, tok), REWARDS)
+    with torch.no_grad():
+        from SimpleTorchLLMRL.model.logprobs import final_hidden_states
+
+        hidden = final_hidden_states(model, tb.batch.input_ids, tb.batch.attention_mask)
+    select = tb.mask[:, 1:].bool()
+    h, y = hidden[:, :-1][select], tb.batch.input_ids[:, 1:][select]
+    cfg = GRPOConfig(group_size=4)
+    x = token_inputs(tb, select, tb.normalizer, cfg)
+    a = grpo_loss(h, output_head(model), y, x, cfg, temperature=1.0, chunk_size=7)
+    b = grpo_loss(h, output_head(model), y, x, cfg, temperature=1.0, chunk_size=64, fused=False)
+    assert a.loss.item() == pytest.approx(b.loss.item(), rel=1e-5, abs=1e-7)
+    assert a.metrics.keys() == b.metrics.keys()
+    for key in KEYS:
+        assert a.metrics[key] == pytest.approx(b.metrics[key], rel=1e-5, abs=1e-7), key
+    assert grpo.metrics == {} and grpo.token_logprobs is None  # the front records only its own calls
+
+
+def test_combine_metrics_rules():
+    parts = [dict(loss=0.5, entropy=1.0, num_tokens=1, ratio_min=0.9, ratio_max=1.1, reward_mean=0.3),
+             dict(loss=0.25, entropy=4.0, num_tokens=3, ratio_min=0.8, ratio_max=1.0, reward_mean=0.3)]
+    out = combine_metrics(parts)
+    assert out == dict(loss=0.75, entropy=3.25, num_tokens=4, ratio_min=0.8, ratio_max=1.1, reward_mean=0.3)
+    with pytest.raises(ValueError, match="at least one"):
+        combine_metrics([])
+    with pytest.raises(ValueError, match="num_tokens"):
+        combine_metrics([dict(entropy=1.0)])
