@@ -61,13 +61,15 @@ class Settings:
     shape: Shape = SHAPES["tiny"]
     device: str = "cpu"
     dtype: str = "float32"
+    gradient_checkpointing: bool = False
 
 
 RUN = Settings()
 
 
-def configure(shape: str, device: str, dtype: str) -> None:
+def configure(shape: str, device: str, dtype: str, gradient_checkpointing: bool = False) -> None:
     RUN.shape, RUN.device, RUN.dtype = SHAPES[shape], device, dtype
+    RUN.gradient_checkpointing = gradient_checkpointing
 
 
 def prompts() -> list[str]:
@@ -189,6 +191,8 @@ def run_ours(vocab: int, steps: int = 2, profile: str | None = None, share: bool
                         eos_token_ids=[vocab + 7])  # never sampled: every row runs N tokens, like min_new_tokens
     gen.backend.share_prefill = share
     grpo = GRPO(model, tok, beta=0.0, group_size=G, temperature=1.0, share_prefix=share)
+    if RUN.gradient_checkpointing:  # active in train mode only: generation (eval mode) keeps its KV cache
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
     base = [Rollout([Message(p)]) for p in prompts()]
     timers = Timers()
@@ -201,6 +205,7 @@ def run_ours(vocab: int, steps: int = 2, profile: str | None = None, share: bool
         prof.start(step)
         acc0 = timers.snapshot()
         c0 = _clock()
+        model.eval()
         rollouts = gen.group_rollout_generate_response(base, n=G)  # B rollouts
         c1 = _clock()
         rewards = torch.tensor(constant_reward(completions=rollouts))
@@ -240,7 +245,7 @@ def run_trl(vocab: int, steps: int = 2, profile: str | None = None, liger: bool 
     out_dir = tempfile.mkdtemp(prefix="trl_bench_")
     args = GRPOConfig(
         output_dir=out_dir, use_cpu=RUN.device == "cpu", report_to="none", bf16=RUN.dtype == "bfloat16",
-        fp16=False, gradient_checkpointing=False, per_device_train_batch_size=shape.prompts * shape.group,
+        fp16=False, gradient_checkpointing=RUN.gradient_checkpointing, per_device_train_batch_size=shape.prompts * shape.group,
         gradient_accumulation_steps=1, num_generations=shape.group, max_completion_length=shape.new_tokens,
         generation_kwargs={"min_new_tokens": shape.new_tokens}, temperature=1.0, top_p=1.0, top_k=0,
         beta=0.0, loss_type="grpo", scale_rewards="group", learning_rate=LR, weight_decay=0.0,

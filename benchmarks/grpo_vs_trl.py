@@ -84,9 +84,10 @@ def _source_hashes() -> dict[str, str]:
 
 
 def child(variant: str, vocab: int, threads: int, profile: str | None = None, patch: str | None = None,
-          timed_steps: int = 1, shape: str = "tiny", device: str = "cpu", dtype: str = "float32") -> None:
+          timed_steps: int = 1, shape: str = "tiny", device: str = "cpu", dtype: str = "float32",
+          gradient_checkpointing: bool = False) -> None:
     sides.env()
-    sides.configure(shape, device, dtype)
+    sides.configure(shape, device, dtype, gradient_checkpointing)
     if sides.RUN.shape.model != "tiny":
         vocab = sides.QWEN25_05B["vocab_size"]
     import torch
@@ -106,7 +107,7 @@ def child(variant: str, vocab: int, threads: int, profile: str | None = None, pa
     res["source_sha1"] = _source_hashes()
     sh = sides.RUN.shape
     res.update(variant=variant, vocab=vocab, shape=shape, prompts=sh.prompts, group=sh.group, new_tokens=sh.new_tokens,
-               device=device, dtype=dtype, patch=patch, threads=torch.get_num_threads(), peak_rss_mb=sides.maxrss_mb(),
+               device=device, dtype=dtype, gradient_checkpointing=gradient_checkpointing, patch=patch, threads=torch.get_num_threads(), peak_rss_mb=sides.maxrss_mb(),
                peak_cuda_mb=sides.cuda_mb(True), wall_s=time.perf_counter() - t0, torch=torch.__version__,
                transformers=transformers.__version__)
     if device == "cuda":
@@ -122,12 +123,13 @@ def child(variant: str, vocab: int, threads: int, profile: str | None = None, pa
 
 
 def spawn(variant: str, vocab: int, threads: int, timeout: float, patch: str | None = None,
-          timed_steps: int = 1, shape: str = "tiny", device: str = "cpu", dtype: str = "float32") -> dict:
+          timed_steps: int = 1, shape: str = "tiny", device: str = "cpu", dtype: str = "float32",
+          gradient_checkpointing: bool = False) -> dict:
     """Run one variant in a fresh Python process; its RESULT line, plus the load average around it."""
     side = "ours" if variant == "ours_patched" else variant
     cmd = [sys.executable, os.path.abspath(__file__), "--child", side, "--vocab", str(vocab),
            "--threads", str(threads), "--timed-steps", str(timed_steps), "--shape", shape,
-           "--device", device, "--dtype", dtype]
+           "--device", device, "--dtype", dtype] + (["--gradient-checkpointing"] if gradient_checkpointing else [])
     if variant == "ours_patched":
         cmd += ["--patch", patch]
     load0 = os.getloadavg()
@@ -214,6 +216,8 @@ def main() -> None:
                     help="cuda: bf16 on one GPU (exits 0 with a message when CUDA is absent)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                     help="the model's dtype on both sides (default: float32 on CPU, bfloat16 on CUDA)")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="recompute activations in backward on every side (TRL's default; off by default here)")
     ap.add_argument("--runs", type=int, default=5, help="measured processes per variant at the tiny shape (>= 5)")
     ap.add_argument("--runs-large", type=int, default=3,
                     help="measured processes per variant at the Qwen2.5-0.5B shapes (minutes each on 2 cores)")
@@ -246,17 +250,18 @@ def main() -> None:
         ap.error("trl_liger needs --device cuda: Liger's kernels are Triton GPU kernels")
     if gpu and not cuda_available():
         print("grpo_vs_trl.py --device cuda: CUDA is not available on this machine, nothing was measured "
-              "(no GPU figure exists yet; see docs/benchmarks.md#gpu)")
+              "(see docs/benchmarks.md#gpu)")
         return
     steps_for = lambda sh, v: a.timed_steps or (5 if sh == "tiny" and v <= 50_000 else 1)  # noqa: E731
     if a.child:
         child(a.child, a.vocab[0], a.threads, a.profile, a.patch, steps_for(a.shape[0], a.vocab[0]), a.shape[0],
-              a.device, a.dtype)
+              a.device, a.dtype, a.gradient_checkpointing)
         return
     cases = [(sh, v) for sh in a.shape for v in (a.vocab if sh == "tiny" else [sides.QWEN25_05B["vocab_size"]])]
     runs_for = lambda sh: a.runs if sh == "tiny" else a.runs_large  # noqa: E731
     variants = list(a.variants) + (["ours_patched"] if a.patch else [])
     results = {"config": {"threads": a.threads, "device": a.device, "dtype": a.dtype,
+                          "gradient_checkpointing": a.gradient_checkpointing,
                           "shapes": {sh: {"prompts": sides.SHAPES[sh].prompts, "group": sides.SHAPES[sh].group,
                                           "new_tokens": sides.SHAPES[sh].new_tokens,
                                           "model": sides.SHAPES[sh].description, "runs": runs_for(sh)}
@@ -268,7 +273,8 @@ def main() -> None:
     for shape, vocab in cases:
         key, n_steps = case_key(shape, vocab), steps_for(shape, vocab)
         runs: dict[str, list] = {v: [] for v in variants}
-        go = lambda v: spawn(v, vocab, a.threads, a.timeout, a.patch, n_steps, shape, a.device, a.dtype)  # noqa: E731, B023
+        go = lambda v: spawn(v, vocab, a.threads, a.timeout, a.patch, n_steps, shape,  # noqa: E731, B023
+                             a.device, a.dtype, a.gradient_checkpointing)
         for v in variants if a.warmup_process else []:
             print(f"[{key}] warm-up process {v}", flush=True)
             go(v)

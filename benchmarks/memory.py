@@ -5,7 +5,8 @@
 
 Each variant runs in a fresh subprocess: load the model, build AdamW over the
 trainable parameters, then run `--steps` GRPO steps (chunked log-probs,
-backward, optimizer step) on synthetic rollouts. On CPU the step's peak is the
+backward, optimizer step) on synthetic rollouts; the loss + backward's own peak is reported
+apart from the whole step's (which includes AdamW's state). On CPU the step's peak is the
 process's RSS high-water mark (VmHWM), reset after loading by writing 5 to
 /proc/self/clear_refs, so loading spikes (QLoRA quantizes float weights while
 loading) are reported apart; weights are first copied out of the checkpoint's
@@ -119,11 +120,17 @@ def worker(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
         cuda_before = torch.cuda.memory_allocated()
     t0 = time.time()
+    lb_peak_kb, step_peak_kb = 0, 0
     for _ in range(args.steps):
+        if reset:  # the loss + backward's own high-water mark, then the whole step's
+            step_peak_kb = max(step_peak_kb, _status_kb("VmHWM"))
+            _reset_peak_rss()
         loss = grpo.calculate_loss(rollouts, rewards)
         loss.backward()
+        lb_peak_kb = max(lb_peak_kb, _status_kb("VmHWM"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    step_peak_kb = max(step_peak_kb, _status_kb("VmHWM"))
     if cuda:
         torch.cuda.synchronize()
     step_s = (time.time() - t0) / args.steps
@@ -134,7 +141,8 @@ def worker(args) -> dict:
         load_s=round(load_s, 2), step_s=round(step_s, 2),
         rss_baseline_mb=round(baseline_kb / 1024, 1),
         rss_after_load_mb=round(rss_kb / 1024, 1), load_peak_rss_mb=round(load_peak_kb / 1024, 1),
-        step_peak_rss_mb=round(_status_kb("VmHWM") / 1024, 1) if reset else None,
+        step_peak_rss_mb=round(step_peak_kb / 1024, 1) if reset else None,
+        loss_backward_peak_rss_mb=round(lb_peak_kb / 1024, 1) if reset else None,
         tokens_per_step=args.batch * (args.prompt_len + args.response_len),
     )
     if reset:

@@ -1,6 +1,6 @@
 """Plot benchmarks/results/grpo_vs_trl.json: speed and memory ratios against TRL, and the phase split.
 
-    uv run python benchmarks/plot_perf.py [--json benchmarks/results/grpo_vs_trl.json] [--out benchmarks/results/perf.png]
+    uv run python benchmarks/plot_perf.py [--json benchmarks/results/grpo_vs_trl.json] [--out docs/perf.png]
 
 Top left: TRL step time / ours (higher is better; goal 2x), CPU seconds and wall seconds.
 Top right: our peak RSS / TRL's (lower is better; goal 0.5x).
@@ -111,7 +111,7 @@ def plot(results: dict, out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, default=HERE / "grpo_vs_trl.json")
-    ap.add_argument("--out", type=Path, default=HERE / "perf.png")
+    ap.add_argument("--out", type=Path, default=HERE.parent.parent / "docs" / "perf.png")
     a = ap.parse_args()
     plot(json.loads(a.json.read_text()), a.out)
 

@@ -27,3 +27,34 @@ def test_gpu_side_by_side_without_cuda_says_so_and_exits_0(tmp_path):
 def test_liger_variant_needs_cuda():
     p = _run("--variants", "ours", "trl_liger")
     assert p.returncode == 2 and "trl_liger needs --device cuda" in p.stderr
+
+
+def test_gpu_check_without_cuda_says_so_and_exits_0(tmp_path):
+    out = tmp_path / "check.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert "CUDA is not available" in p.stdout and "nothing was measured" in p.stdout
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke_runs_its_own_parts_on_cpu(tmp_path):
+    """The parts that need no TRL, at tiny shapes on CPU: the profile (with both kernels against float64) and
+    LoRA against full fine-tuning, each in its own process; the JSON holds what the GPU run reports."""
+    import json
+
+    out = tmp_path / "smoke.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--parts", "profile",
+                        "lora_memory", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    prof = res["profile"]
+    assert "error" not in prof, prof.get("error")
+    assert len(prof["top15"]) == 15 and prof["mfu_loss_backward"] > 0
+    for impl in ("cpu", "gpu"):
+        assert prof["numerics"][impl]["logp_max_abs"] < 0.03  # the bf16 bound of tests/test_logprobs.py
+    for kind in ("full", "lora"):
+        assert "error" not in res["lora_memory"][kind], res["lora_memory"][kind].get("error")
+    assert res["lora_memory"]["lora"]["adapter_dtypes"] == ["torch.bfloat16"]
+    assert set(res["goals"]) == {"mfu_loss_backward", "lora_peak_vs_full"}
