@@ -87,7 +87,7 @@ def apply_lora(model: nn.Module, r: int = 16, alpha: float = 32, target_modules:
         kwargs["fan_in_fan_out"] = True  # GPT-2 style Conv1D stores weights as (in, out)
     peft_model = get_peft_model(model, lora_config(r, alpha, target_modules, dropout, **kwargs),
                                 autocast_adapter_dtype=False)
-    for name, param in peft_model.named_parameters():
+    for param in peft_model.parameters():
         if param.requires_grad and param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
     return peft_model
