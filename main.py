@@ -111,7 +111,8 @@ def build(run: Run) -> None:
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, warmup_constant(args.warmup_steps))
     run.sampler = Sampler(model, run.tokenizer, stop_strings=run.env.stop_strings,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, backend=args.backend,
-                          model_name=args.model, adapter=args.qlora)
+                          model_name=args.model, adapter=args.qlora, dtype=args.dtype,
+                          engine_kwargs=args.engine_kwargs)
 
 
 def resume(run: Run) -> None:

@@ -19,9 +19,12 @@ Implements what `SimpleTorchLLMRL.model.vllm` touches, with vLLM's semantics:
 - Parallel sampling: the j-th of n samples of a request with seed s uses seed s + j.
 - `LoRARequest(lora_name, lora_int_id, lora_path)`: the adapter is loaded from lora_path (peft format)
   over the current base weights; requires `enable_lora=True`.
-- `LLM.apply_model(func)` / `collective_rpc(...)` / `llm_engine.model_executor.driver_worker.worker.
-  model_runner.model`: a model whose `load_weights(weights)` takes HF checkpoint names and raises
-  KeyError on any other name (as vLLM's loaders do) and ValueError on a shape mismatch.
+- `LLM.apply_model(func)` / `collective_rpc(method_name or callable, kwargs=...)` / the worker's
+  `reload_weights(weights_iterator=..., is_checkpoint_format=True)` / `llm_engine.model_executor.
+  driver_worker` (present in-process only): a model whose `load_weights(weights)` takes HF
+  checkpoint names and raises KeyError on any other name and ValueError on a shape mismatch.
+  The real engine is tested in tests/test_vllm_real.py; this fake stays for what a CPU engine
+  cannot show (CUDA-only behaviour such as sleep levels, and fast unit tests).
 - `sleep(level)` (needs `enable_sleep_mode=True`; level 2 discards weights) / `wake_up(tags)`;
   generating while asleep raises. `reset_prefix_cache()`.
 """
@@ -175,9 +178,17 @@ class FakeVllmModel(torch.nn.Module):
 class _Worker:
     def __init__(self, model):
         self.model_runner = types.SimpleNamespace(model=model)
+        self.reload_calls = 0
 
     def apply_model(self, func):
         return func(self.model_runner.model)
+
+    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+        """vLLM's layer-wise in-place reload (Worker.reload_weights): HF checkpoint names, every layer."""
+        if not is_checkpoint_format or weights_iterator is None:
+            raise NotImplementedError("the fake reloads checkpoint-format weights from an iterator only")
+        self.reload_calls += 1
+        return self.model_runner.model.load_weights(weights_iterator)
 
 
 class _Engine:
@@ -283,8 +294,16 @@ class LLM:
             rid = str(self._request_counter)
             self._request_counter += 1
             completions = [self._complete(model, list(ids), sp, j, lora) for j in range(sp.n)]
-            outs.append(RequestOutput(rid, None, list(ids), None, completions, True, lora_request=lora))
+            prompt_lp = None if sp.prompt_logprobs is None else self._prompt_logprobs(model, list(ids))
+            outs.append(RequestOutput(rid, None, list(ids), prompt_lp, completions, True, lora_request=lora))
         return outs
+
+    def _prompt_logprobs(self, model, ids: list[int]) -> list:
+        """vLLM's prompt_logprobs: None for the first token, then {token: Logprob} of each prompt token."""
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].float()
+        lp = torch.log_softmax(logits, -1)
+        return [None] + [{ids[t]: Logprob(float(lp[t - 1, ids[t]]), 1)} for t in range(1, len(ids))]
 
     def _model_for(self, lora):
         if lora is None:

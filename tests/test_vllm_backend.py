@@ -163,18 +163,23 @@ def test_push_full_weights(vllm, tok, model_dir):
     assert greedy(llm, tok) != greedy(other, tok)
     ModelGenerate(llm, tok, do_sample=False).push_weights(other, mode="full")
     assert greedy(llm, tok) == greedy(other, tok) and llm.prefix_cache_resets >= 1
-    assert llm._vllm_model.load_calls == 1
+    assert llm._vllm_model.load_calls == 1 and llm.llm_engine._worker.reload_calls == 1
 
 
-def test_push_goes_through_apply_model_when_the_engine_is_in_another_process(vllm, tok, model_dir, monkeypatch):
+def test_push_sends_a_callable_when_the_engine_is_in_another_process(vllm, tok, model_dir, monkeypatch):
+    import functools
+    import pickle
+
     llm = vllm.LLM(model_dir)
     monkeypatch.delattr(llm.llm_engine, "model_executor")  # V1 multiprocess: no in-process executor
-    applied = []
-    real = llm.apply_model
-    monkeypatch.setattr(llm, "apply_model", lambda f: applied.append(f) or real(f))
+    sent = []
+    real = llm.collective_rpc
+    monkeypatch.setattr(llm, "collective_rpc", lambda m, *a, **k: sent.append(m) or real(m, *a, **k))
     other = peaked(tiny_model("qwen2", tok), seed=1)
     push_weights(llm, other)
-    assert len(applied) == 1 and greedy(llm, tok) == greedy(other, tok)
+    assert len(sent) == 1 and isinstance(sent[0], functools.partial)  # tensors travel with the callable
+    pickle.loads(pickle.dumps(sent[0]))  # what a multi-process engine does with it
+    assert greedy(llm, tok) == greedy(other, tok)
 
 
 def lora_policy(tok, seed):

@@ -18,12 +18,13 @@ log_softmax(logits / T) before truncation, so:
 Greedy decoding (`do_sample=False` or temperature 0) is sent as temperature 0;
 vLLM then reports log-probs of the untempered logits, recorded as temperature 1.
 
-Weight sync (`push_weights`) calls the engine model's `load_weights`, which takes
-HF checkpoint names (built by `model/weight_sync.py`: peft prefixes stripped,
-LoRA deltas merged into new tensors, the training model never modified):
-directly when the engine runs in this process (set
-`VLLM_ENABLE_V1_MULTIPROCESSING=0` for a colocated trainer, as TRL does), else
-through the public `LLM.apply_model`, which pickles the tensors to each worker.
+Weight sync (`push_weights`) hands HF checkpoint names (built by
+`model/weight_sync.py`: peft prefixes stripped, LoRA deltas merged into new
+tensors, the training model never modified) to the workers' `reload_weights`
+(`model/vllm_engine.py`), in-process or multi-process, then checks that the
+engine's log-probs of a short probe match the trainer's (`check_agreement`;
+`WeightSyncError` when they do not). Engine settings live in
+`vllm_engine.make_llm`; a model path given to `ModelGenerate` goes through it.
 """
 
 from __future__ import annotations
@@ -35,19 +36,17 @@ from collections.abc import Iterable
 import torch
 
 from SimpleTorchLLMRL.model.sampling import Sample, SamplingConfig
+from SimpleTorchLLMRL.model.vllm_engine import (
+    compare_probe,
+    engine_model_config,
+    import_vllm,
+    make_llm,
+    probe_ids,
+    reload_weights,
+    trainer_probe,
+)
 
-_INSTALL_HINT = "the vLLM backend needs the optional vllm extra: run `uv sync --extra vllm` (vLLM needs a CUDA GPU)"
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
-
-
-def import_vllm():
-    """The vllm module, or an ImportError that says how to install it."""
-    try:
-        import vllm
-        from vllm.inputs import TokensPrompt  # noqa: F401  (fail here, not mid-generation)
-    except ImportError as e:
-        raise ImportError(_INSTALL_HINT) from e
-    return vllm
 
 
 def logprobs_mode_problem(mode: str, cfg: SamplingConfig) -> str | None:
@@ -71,29 +70,20 @@ def logprobs_mode_problem(mode: str, cfg: SamplingConfig) -> str | None:
     return None
 
 
-def _engine_model_config(llm):
-    for path in (("llm_engine", "model_config"), ("model_config",), ("llm_engine", "vllm_config", "model_config")):
-        obj = llm
-        for attr in path:
-            obj = getattr(obj, attr, None)
-        if obj is not None:
-            return obj
-    return None
-
-
 class VLLMBackend:
     """`ModelGenerate`'s backend over a `vllm.LLM` (token-id prompts in, sampled ids and log-probs out)."""
+
+    check_pushes = True  # after every push, the engine's probe log-probs must match the trainer's
 
     def __init__(self, llm, tokenizer, cfg: SamplingConfig, lora_request=None, vllm_kwargs: dict | None = None):
         self.vllm = import_vllm()
         if isinstance(llm, str):  # a model path: build the engine with the log-probs mode we need
-            mode = "raw_logprobs" if cfg.greedy or cfg.temperature == 1 else "processed_logprobs"
-            llm = self.vllm.LLM(llm, **{"logprobs_mode": mode, **(vllm_kwargs or {})})
+            llm = make_llm(llm, temperature=0.0 if cfg.greedy else cfg.temperature, **(vllm_kwargs or {}))
         elif vllm_kwargs:
             raise ValueError("vllm_kwargs only apply when ModelGenerate builds the engine from a model path")
         self.llm, self.cfg, self.lora_request = llm, cfg, lora_request
         self.tokenizer = tokenizer if tokenizer is not None else llm.get_tokenizer()
-        model_config = _engine_model_config(llm)
+        model_config = engine_model_config(llm)
         self.logprobs_mode = getattr(model_config, "logprobs_mode", "raw_logprobs")
         self.max_context = getattr(model_config, "max_model_len", None)
         problem = logprobs_mode_problem(self.logprobs_mode, cfg)
@@ -103,6 +93,9 @@ class VLLMBackend:
         self._adapter_id = 0
         self.lora_requests: dict = {}  # adapter name -> LoRARequest (one per agent; see push_weights)
         self._adapter_dirs: dict[str, str] = {}
+        self._asleep: set[str] = set()
+        self._pending: list = []  # pushes whose agreement check waits for the engine to wake up
+        self.last_agreement: float | None = None  # max |d log p| of the last checked push
 
     mixed_adapters = True  # one generate call serves prompts of several adapters (one LoRARequest each)
 
@@ -174,12 +167,33 @@ class VLLMBackend:
                 raise ValueError(f"push_weights(adapter=...) needs mode='adapter', got {mode!r}")
             for name in [adapter] if isinstance(adapter, str) else adapter:
                 self.lora_requests[name] = self._push_named_adapter(model, name)
+                self._check(model, self.lora_requests[name], name)
         elif mode == "adapter":
             self.lora_request = self._push_adapter(model)
+            self._check(model, self.lora_request)
         elif mode in ("merged", "full"):
             push_weights(self.llm, model)
+            self._check(model, None)
         else:
             raise ValueError(f"mode must be 'merged', 'full' or 'adapter', got {mode!r}")
+
+    def _check(self, model, lora_request, adapter: str | None = None) -> None:
+        """The engine after a push against the trainer on a short probe (`vllm_engine.check_agreement`);
+        while the engine sleeps, the trainer's side is kept and compared at `wake_up`."""
+        if not self.check_pushes:
+            return
+        from SimpleTorchLLMRL.model.adapters import use_adapter
+
+        ids = probe_ids(self.tokenizer)
+        with use_adapter(model, adapter) if adapter is not None else _nullcontext(model):
+            mine = trainer_probe(model, ids)
+        self._pending.append((ids, mine, lora_request))
+        self._compare_pending()
+
+    def _compare_pending(self) -> None:
+        while self._pending and not self._asleep:
+            ids, mine, lora = self._pending.pop(0)
+            self.last_agreement = compare_probe(self.llm, ids, mine, lora_request=lora)
 
     def _push_adapter(self, model):
         """Save the adapter to a fresh directory and return a LoRARequest with a new id (vLLM caches by id)."""
@@ -211,36 +225,31 @@ class VLLMBackend:
     def sleep(self, level: int = 1) -> None:
         """Free GPU memory for training: level 1 offloads weights to CPU, level 2 discards them."""
         self.llm.sleep(level=level)
+        self._asleep = {"weights", "kv_cache"}
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Re-allocate ("weights", "kv_cache", or all); after a level-2 sleep push weights before generating."""
+        """Re-allocate ("weights", "kv_cache", or all); after a level-2 sleep push weights before generating.
+        Pushes made while it slept are checked once it is fully awake."""
         self.llm.wake_up(tags=tags)
+        self._asleep -= set(tags) if tags else self._asleep
+        self._compare_pending()
 
 
 # ----------------------------------------------------------------------------- weight sync
 
 
-def _in_process_model(llm):
-    """The engine's model when the engine runs in this process (V1 with VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-    worker = getattr(getattr(getattr(llm, "llm_engine", None), "model_executor", None), "driver_worker", None)
-    worker = getattr(worker, "worker", worker)  # V1 wraps the worker; V0 does not
-    return getattr(getattr(worker, "model_runner", None), "model", None)
+def _nullcontext(value):
+    import contextlib
+
+    return contextlib.nullcontext(value)
 
 
 def load_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Load (HF name, tensor) pairs into the engine's model(s), then drop cached prefixes (stale KV).
 
-    In-process engines get them directly; otherwise they go to every worker through the public
-    `LLM.apply_model` (pickled).
+    Through the workers' `reload_weights`, in-process or multi-process (`vllm_engine.reload_weights`).
     """
-    model = _in_process_model(llm)
-    if model is not None and hasattr(model, "load_weights"):
-        model.load_weights(weights=weights)
-    else:
-        materialized = list(weights)
-        llm.apply_model(lambda m: m.load_weights(weights=materialized))
-    if hasattr(llm, "reset_prefix_cache"):
-        llm.reset_prefix_cache()
+    reload_weights(llm, weights)
 
 
 def push_weights(llm, model) -> None:

