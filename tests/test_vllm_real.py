@@ -158,6 +158,20 @@ def test_a_push_that_misses_a_weight_is_caught(llm, hf, monkeypatch):
     gen.push_weights(model, mode="full")
 
 
+def test_a_merged_lora_push_reaches_the_engine_and_is_checked(llm, hf):
+    from SimpleTorchLLMRL.model.lora import apply_lora
+
+    model, tok = hf
+    policy = apply_lora(copy.deepcopy(model), r=4, alpha=16, init_lora_weights=False)
+    gen = ModelGenerate(llm, tok, max_new_tokens=12, temperature=1.0, seed=4)
+    gen.push_weights(policy, mode="merged")  # LoRA deltas folded into new tensors, the policy untouched
+    assert gen.backend.last_agreement <= 1e-3
+    msg = gen.generate(_rollouts(1))[0][0]
+    want = _hf_logprobs(policy, encode_prompt(_rollouts(1)[0], tok), msg.token_ids)
+    assert float((torch.tensor(msg.logprobs) - want).abs().max()) <= FP32_TOL
+    gen.push_weights(model, mode="full")
+
+
 def test_adapter_push_serves_the_lora_and_is_checked(llm, hf):
     from SimpleTorchLLMRL.model.lora import apply_lora
 
