@@ -151,7 +151,8 @@ def part_profile(device: str, smoke: bool) -> dict:
             "measured_bf16_matmul_tflops": peak / 1e12, "model_tflops": flops / 1e12,
             "mfu_loss_backward": flops / seconds / peak,
             "self_cpu_ms_total": sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3,
-            "self_cuda_ms_total": sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages()) / 1e3,
+            "self_cuda_ms_total": sum(e.self_device_time_total for e in prof.key_averages()  # kernels only
+                                      if str(getattr(e, "device_type", "")).endswith("CUDA")) / 1e3,
             "top15": top, "table": prof.key_averages().table(sort_by=key, row_limit=15)}
 
 
