@@ -80,6 +80,7 @@ class Run:
         self.sampler: Sampler | None = None
         self.logger: MetricsLogger | None = None
         self.start = 0  # the step to continue after (a checkpoint's)
+        self.in_flight: dict = {}  # {version: state_dict} the async producer samples the next steps with
 
 
 # ---- 1. parse and load: every input is checked before anything is written
@@ -120,9 +121,10 @@ def resume(run: Run) -> None:
     args, out = run.args, run.out
     if run.ckpt is not None:
         try:
-            load_checkpoint(run.ckpt, run.model, run.optimizer, run.scheduler)  # onto --device, whatever saved it
+            state = load_checkpoint(run.ckpt, run.model, run.optimizer, run.scheduler)  # onto --device
         except ValueError as e:  # another architecture's weights in its place: nothing is written yet
             raise UsageError(f"--resume: {run.ckpt}: {e}") from e
+        run.in_flight = state.get("extra", {}).get("producer_weights", {})  # async: what the producer had
         run.start = run.saved["step"]
         run.sampler.sync(run.model)
         tqdm.write(f"resumed from {run.ckpt} (step {run.start}, data position {run.saved['data_position']})")
@@ -233,6 +235,22 @@ class Evaluator:
 # ---- 6. the loop: sample, train, evaluate, checkpoint
 
 
+def producer_history(run: Run) -> dict:
+    """The weights the resumed producer's first batches are sampled by: the checkpoint's in-flight versions
+    and the current one. A checkpoint without them (saved by a synchronous run) samples with the current
+    weights, and says so."""
+    history = {v: sd for v, sd in run.in_flight.items()}
+    history[run.start] = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+    k = run.args.async_staleness
+    needed = {max(0, step - 1 - k) for step in range(run.start + 1, run.start + 2 + k)}
+    missing = sorted(v for v in needed if v not in history)
+    if missing:
+        tqdm.write(f"--resume: the checkpoint holds no producer weights of versions {missing}; the next batches are "
+                   f"sampled by version {run.start} instead (the run is not the uninterrupted one from here)")
+        history.update({v: history[run.start] for v in missing})
+    return history
+
+
 def train(run: Run, evaluator: Evaluator) -> tuple[int, list | None]:
     """Steps start+1..steps; returns (exit status, the last step's first group for samples.txt)."""
     args, model = run.args, run.model
@@ -242,7 +260,7 @@ def train(run: Run, evaluator: Evaluator) -> tuple[int, list | None]:
         queue = RolloutQueue(max_staleness=args.async_staleness)
         producer = AsyncProducer(lambda step, version: rollouts_for(run, step, version, weights), queue,
                                  steps=range(run.start + 1, args.steps + 1), apply=weights.load_state_dict,
-                                 version=run.start).start()
+                                 version=run.start, history=producer_history(run)).start()
     samples, status = None, 0
     bar = tqdm(range(run.start + 1, args.steps + 1), initial=run.start, total=args.steps, desc="GRPO", unit="step",
                dynamic_ncols=True)
@@ -270,7 +288,8 @@ def train(run: Run, evaluator: Evaluator) -> tuple[int, list | None]:
             evaluator.collect(wait=step == args.steps or stopping)
             if step == args.steps or stopping or (args.checkpoint_every and step % args.checkpoint_every == 0):
                 save_checkpoint(run.out / "checkpoints", step, model, run.optimizer, run.scheduler,
-                                state=checkpoint_state(args, model, step, run.logger.wandb_run_id))
+                                state=checkpoint_state(args, model, step, run.logger.wandb_run_id),
+                                extra={"producer_weights": producer.in_flight(step)} if producer else None)
             if stopping:
                 status = stop.exit_status
                 tqdm.write(f"stopped after step {step} of {args.steps}: checkpoint saved in "

@@ -11,12 +11,15 @@
     producer.stop()
 
 The producer samples with its own copy of the weights (HF: a copy of the model; vLLM: the
-engine); `publish` stages new weights and the producer applies them before its next batch, so a
-batch is sampled by one version, which every sampled message records (`Message.policy_version`).
-The batch for step s (trained at version s - 1) is only started once version s - 1 - max_staleness
-is published, so the producer runs at most `max_staleness` steps ahead; a batch that is still too
-old when taken (e.g. a producer fed from elsewhere) is dropped, or kept with `stale="keep"` for the
-trainer's truncated importance sampling to correct (`GRPO(..., tis_cap=2.0)`).
+engine); `publish` hands it new weights, and a batch is sampled by one version, which every
+sampled message records (`Message.policy_version`). The schedule is fixed: the batch for step s
+(trained at version s - 1) is sampled by exactly version max(0, s - 1 - max_staleness), so the
+producer runs `max_staleness` steps ahead and a run does not depend on thread timing. That makes
+an async run resumable exactly: `in_flight(version)` gives the published weights a checkpoint at
+`version` must keep (the versions its next batches are sampled by), and `history=` hands them to
+the producer of the resumed run. A batch that is still too old when taken (e.g. a producer fed
+from elsewhere) is dropped, or kept with `stale="keep"` for the trainer's truncated importance
+sampling to correct (`GRPO(..., tis_cap=2.0)`).
 """
 
 from __future__ import annotations
@@ -99,15 +102,17 @@ class AsyncProducer:
     """Calls `produce(step, version) -> rollouts` for each step in a background thread, into a queue.
 
     apply: installs published weights in the producer's sampler (e.g. `copy_model.load_state_dict`);
-    it runs in the producer thread, between batches.
+    it runs in the producer thread, between batches. version: the version the sampler holds at the
+    start (and the newest one published). history: {version: state_dict} of earlier versions the
+    first batches need (a resumed run: what `in_flight` returned when its checkpoint was saved).
     """
 
     def __init__(self, produce: Callable[[int, int], list[Rollout]], queue: RolloutQueue, steps: Iterable[int],
-                 apply: Callable[[dict], None] | None = None, version: int = 0):
+                 apply: Callable[[dict], None] | None = None, version: int = 0, history: dict | None = None):
         self.produce, self.queue, self.steps, self.apply = produce, queue, list(steps), apply
         self.version = version
         self._published = version  # the newest version the trainer has published
-        self._staged: tuple[dict, int] | None = None
+        self._weights: dict[int, dict] = dict(history or {})  # published versions still to be sampled by
         self._lock = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
         self.busy_seconds = 0.0  # time spent producing (for overlap measurements)
@@ -117,20 +122,37 @@ class AsyncProducer:
         return self
 
     def publish(self, state_dict: dict, version: int) -> None:
-        """Stage new weights (copied now, on the caller's thread); the producer applies them next."""
+        """Hand over new weights (copied now, on the caller's thread); batches sampled by them follow."""
         staged = {k: v.detach().clone() for k, v in state_dict.items()}
         with self._lock:
-            self._staged = (staged, version)
+            self._weights[version] = staged
             self._published = version
+            for v in [v for v in self._weights if v < version - self.queue.max_staleness]:
+                del self._weights[v]  # no later batch is sampled by it (nor kept by a checkpoint)
             self._lock.notify_all()
 
-    def _take_weights(self) -> None:
+    def sampling_version(self, step: int) -> int:
+        """The version that samples step `step`'s batch: max(0, step - 1 - max_staleness)."""
+        return max(0, step - 1 - self.queue.max_staleness)
+
+    def in_flight(self, version: int) -> dict[int, dict]:
+        """{v: state_dict} of the versions below `version` that the batches after step `version` are
+        sampled by: what a checkpoint at `version` keeps so the resumed run samples the same."""
+        needed = {self.sampling_version(step) for step in range(version + 1, version + 2 + self.queue.max_staleness)}
         with self._lock:
-            staged, self._staged = self._staged, None
-        if staged is not None:
+            return {v: self._weights[v] for v in sorted(needed) if v < version and v in self._weights}
+
+    def _take_weights(self, needed: int) -> None:
+        """Install exactly version `needed` (already published)."""
+        with self._lock:
+            staged = self._weights.get(needed)
+        if needed != self.version:
+            if staged is None:
+                raise RuntimeError(f"the producer needs the weights of version {needed}, which were never published "
+                                   "(a resumed run needs AsyncProducer(history=...) from its checkpoint)")
             if self.apply is not None:
-                self.apply(staged[0])
-            self.version = staged[1]
+                self.apply(staged)
+            self.version = needed
 
     def _wait_for_version(self, needed: int) -> bool:
         """Block until the trainer has published `needed` (False if the queue closed meanwhile)."""
@@ -142,10 +164,11 @@ class AsyncProducer:
     def _run(self) -> None:
         try:
             for step in self.steps:
-                # step s trains at version s - 1: sample it with weights at most max_staleness behind
-                if not self._wait_for_version(step - 1 - self.queue.max_staleness):
+                # step s trains at version s - 1: sample it with exactly max_staleness versions behind
+                needed = self.sampling_version(step)
+                if not self._wait_for_version(needed):
                     return
-                self._take_weights()
+                self._take_weights(needed)
                 t0 = time.perf_counter()
                 batch = self.produce(step, self.version)
                 self.busy_seconds += time.perf_counter() - t0
