@@ -53,6 +53,24 @@ def without_times(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in rows]
 
 
+def sigterm_after_first_step(argv: list[str], out: Path, poll: float = 0.02) -> tuple[int, str]:
+    """Run main.py with `argv`, send SIGTERM once a train row is logged in `out`; (exit code, stderr)."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), *argv, "--output-dir", str(out)], cwd=ROOT,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not (out / "metrics.jsonl").exists() or '"train/reward"' not in (out / "metrics.jsonl").read_text():
+            assert proc.poll() is None and time.time() < deadline, "no training step logged"
+            time.sleep(poll)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return code, proc.stderr.read()
+
+
 # ---------------------------------------------------------------- helpers (fast)
 
 
@@ -316,20 +334,8 @@ def test_an_async_run_stopped_and_resumed_equals_the_uninterrupted_one(tmp_path,
              "--steps", "6"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert load_main().main([*flags, "--output-dir", str(whole)]) == 0
-    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), *flags, "--output-dir", str(parts)], cwd=ROOT,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 300
-        while not (parts / "metrics.jsonl").exists() or '"train/reward"' not in (parts / "metrics.jsonl").read_text():
-            assert proc.poll() is None and time.time() < deadline, "no training step logged"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert code == 128 + signal.SIGTERM, proc.stderr.read()[-3000:]
+    code, err = sigterm_after_first_step(flags, parts)
+    assert code == 128 + signal.SIGTERM, err[-3000:]
     stopped = max(r["step"] for r in read_metrics(parts / "metrics.jsonl") if "train/reward" in r)
     assert 1 <= stopped < 6
     capfd.readouterr()
@@ -581,21 +587,8 @@ def test_a_second_signal_stops_at_once():
 @needs_asset
 def test_sigterm_stops_at_the_step_boundary_with_a_checkpoint(tmp_path):
     out = tmp_path / "run"
-    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), *SMALL, "--steps", "200", "--eval-every", "0",
-                             "--checkpoint-every", "0", "--output-dir", str(out)], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 300
-        while not (out / "metrics.jsonl").exists() or '"train/reward"' not in (out / "metrics.jsonl").read_text():
-            assert proc.poll() is None and time.time() < deadline, "no training step logged"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    err = proc.stderr.read()
+    code, err = sigterm_after_first_step([*SMALL, "--steps", "200", "--eval-every", "0", "--checkpoint-every", "0"],
+                                         out, poll=0.05)
     assert code == 128 + signal.SIGTERM, err[-3000:]
     assert "SIGTERM: stopping after this step" in err
     last = max(r["step"] for r in read_metrics(out / "metrics.jsonl") if "train/reward" in r)
