@@ -4,10 +4,10 @@ Legend: K probe tokens.
 
     llm = make_llm(model_dir, temperature=1.0)          # CPU or GPU build; safe defaults, your kwargs win
     reload_weights(llm, vllm_weights(model).items())    # in-process or multi-process engines alike
-    check_agreement(llm, model, probe_ids)              # WeightSyncError when the engine disagrees
+    check_agreement(llm, model, probe_ids(tokenizer))   # WeightSyncError when the engine disagrees
 
-Settings (`make_llm`): `dtype` defaults to the training model's ("float32" on a CPU; vLLM would
-otherwise downcast a float32 checkpoint to bf16), `max_num_batched_tokens` large enough that a
+Settings (`make_llm`): `dtype` "float32" on the CPU build (vLLM would otherwise downcast a float32
+checkpoint to bf16; main.py passes its --dtype), "auto" on a GPU, `max_num_batched_tokens` large enough that a
 prompt's prefill is never split (the CPU build's seeded sampler fails on split prefills), the
 `logprobs_mode` that gives log_softmax(logits / T) before truncation, `seed=0`. On the CPU build
 the environment variables it needs are set when absent, at `make_llm` time (never at import):
@@ -19,11 +19,11 @@ Weight pushes go through the workers' `reload_weights` (vLLM's layer-wise in-pla
 also works where the CPU build has repacked linear weights and `model.load_weights` cannot):
 `collective_rpc("reload_weights", kwargs=...)` in process, a pickled callable to each worker
 otherwise (tensors do not survive msgpack as kwargs; vLLM accepts callables only with
-`VLLM_ALLOW_INSECURE_SERIALIZATION=1` set before the engine starts). After every push `check_agreement` scores a
-short fixed probe text with the engine (its prompt log-probs) and with the trainer, and raises
-`WeightSyncError` when they differ beyond `AGREEMENT_TOL` (by the engine's dtype).
-The trainer's side is computed at push time, so a colocated engine whose KV cache sleeps during the
-push is compared when it wakes up.
+`VLLM_ALLOW_INSECURE_SERIALIZATION=1` set before the engine starts). After every push
+`check_agreement` scores a short fixed probe text with the engine (its prompt log-probs) and with
+the trainer, and raises `WeightSyncError` when they differ beyond `AGREEMENT_TOL` (by the engine's
+dtype). The trainer's side is computed at push time, so a colocated engine whose KV cache sleeps
+during the push is compared when it wakes up.
 """
 
 from __future__ import annotations
