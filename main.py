@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from SimpleTorchLLMRL.env.async_rollouts import AsyncProducer, RolloutQueue
+from SimpleTorchLLMRL.env.async_rollouts import AsyncProducer, RolloutQueue, versions_after
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
 from SimpleTorchLLMRL.env.ToolQASolve import ToolUseEnv
 from SimpleTorchLLMRL.model.dropout import disable_dropout
@@ -241,9 +241,7 @@ def producer_history(run: Run) -> dict:
     weights, and says so."""
     history = {v: sd for v, sd in run.in_flight.items()}
     history[run.start] = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
-    k = run.args.async_staleness
-    needed = {max(0, step - 1 - k) for step in range(run.start + 1, run.start + 2 + k)}
-    missing = sorted(v for v in needed if v not in history)
+    missing = sorted(v for v in versions_after(run.start, run.args.async_staleness) if v not in history)
     if missing:
         tqdm.write(f"--resume: the checkpoint holds no producer weights of versions {missing}; the next batches are "
                    f"sampled by version {run.start} instead (the run is not the uninterrupted one from here)")

@@ -98,6 +98,16 @@ class RolloutQueue:
             self._cond.notify_all()
 
 
+def sampling_version(step: int, max_staleness: int) -> int:
+    """The version that samples step `step`'s batch (trained at version step - 1): exactly max_staleness behind."""
+    return max(0, step - 1 - max_staleness)
+
+
+def versions_after(version: int, max_staleness: int) -> set[int]:
+    """The versions that sample the batches in flight after step `version`: what a checkpoint there needs."""
+    return {sampling_version(step, max_staleness) for step in range(version + 1, version + 2 + max_staleness)}
+
+
 class AsyncProducer:
     """Calls `produce(step, version) -> rollouts` for each step in a background thread, into a queue.
 
@@ -131,14 +141,10 @@ class AsyncProducer:
                 del self._weights[v]  # no later batch is sampled by it (nor kept by a checkpoint)
             self._lock.notify_all()
 
-    def sampling_version(self, step: int) -> int:
-        """The version that samples step `step`'s batch: max(0, step - 1 - max_staleness)."""
-        return max(0, step - 1 - self.queue.max_staleness)
-
     def in_flight(self, version: int) -> dict[int, dict]:
         """{v: state_dict} of the versions below `version` that the batches after step `version` are
         sampled by: what a checkpoint at `version` keeps so the resumed run samples the same."""
-        needed = {self.sampling_version(step) for step in range(version + 1, version + 2 + self.queue.max_staleness)}
+        needed = versions_after(version, self.queue.max_staleness)
         with self._lock:
             return {v: self._weights[v] for v in sorted(needed) if v < version and v in self._weights}
 
@@ -165,7 +171,7 @@ class AsyncProducer:
         try:
             for step in self.steps:
                 # step s trains at version s - 1: sample it with exactly max_staleness versions behind
-                needed = self.sampling_version(step)
+                needed = sampling_version(step, self.queue.max_staleness)
                 if not self._wait_for_version(needed):
                     return
                 self._take_weights(needed)
