@@ -19,6 +19,8 @@ types from `model/sampling.py`, never from here.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -29,8 +31,6 @@ from SimpleTorchLLMRL.model.sampling import Sample, SamplingConfig, cut_sample, 
 from SimpleTorchLLMRL.utils.warn import warn_user
 
 BACKENDS = ("auto", "hf", "vllm")
-_SAMPLING_DEFAULTS = dict(max_new_tokens=50, temperature=0.7, do_sample=True, top_p=None, top_k=None, stop=None,
-                          tool_call_stop=None, eos_token_ids=None)
 _WARNED: set[str] = set()  # deprecated spellings already reported in this process
 
 
@@ -59,6 +59,23 @@ def _per_rollout(adapter, count: int) -> list[str | None] | None:
     if bad:
         raise ValueError(f"adapter names must be non-empty strs (or None), got {bad[0]!r}")
     return None if all(a is None for a in adapters) else adapters
+
+
+def _sampling_config(sampling: SamplingConfig | None, given: dict) -> SamplingConfig:
+    """The generator's own SamplingConfig: a copy of `sampling=`, or one from the sampling keywords
+    (`given`), never both (a keyword that differs from `ModelGenerate`'s default is an error)."""
+    if sampling is None:
+        eos = given["eos_token_ids"]
+        if eos is not None and len(eos) == 0:
+            raise ValueError("eos_token_ids must be None (tokenizer/model defaults) or a non-empty list of ids")
+        return SamplingConfig(**{**given, "eos_token_ids": tuple(eos or ())})
+    defaults = inspect.signature(ModelGenerate.__init__).parameters
+    both = sorted(k for k, v in given.items() if v != defaults[k].default)
+    if both:
+        raise ValueError(f"ModelGenerate got sampling= and also {both}; put them in the SamplingConfig")
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+    return dataclasses.replace(sampling)  # ModelGenerate fills in eos_token_ids; the caller's object stays
 
 
 def _messages_key(rollout: Rollout) -> tuple:
@@ -91,29 +108,16 @@ class ModelGenerate:
                  eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
                  batch_size: int | None = None, backend: str = "auto", lora_request=None,
                  vllm_kwargs: dict | None = None, policy_version: int = 0, sampling: SamplingConfig | None = None):
-        if sampling is not None:
-            given = dict(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample, top_p=top_p,
-                         top_k=top_k, stop=stop, tool_call_stop=tool_call_stop, eos_token_ids=eos_token_ids)
-            both = sorted(k for k, v in given.items() if v != _SAMPLING_DEFAULTS[k])
-            if both:
-                raise ValueError(f"ModelGenerate got sampling= and also {both}; put them in the SamplingConfig")
-            if not isinstance(sampling, SamplingConfig):
-                raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-            max_new_tokens, temperature, do_sample = sampling.max_new_tokens, sampling.temperature, sampling.do_sample
-            top_p, top_k, stop, tool_call_stop = sampling.top_p, sampling.top_k, sampling.stop, sampling.tool_call_stop
-            eos_token_ids = sampling.eos_token_ids or None
+        self.config = _sampling_config(sampling, dict(
+            max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample, top_p=top_p, top_k=top_k,
+            stop=stop, tool_call_stop=tool_call_stop, eos_token_ids=eos_token_ids))
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size <= 0):
             raise ValueError(f"batch_size must be None or a positive int, got {batch_size!r}")
-        if eos_token_ids is not None and len(eos_token_ids) == 0:
-            raise ValueError("eos_token_ids must be None (tokenizer/model defaults) or a non-empty list of ids")
         use_vllm = backend == "vllm" or (backend == "auto" and is_vllm_llm(model))
         if not use_vllm and tokenizer is None:
             raise ValueError("tokenizer is required for the HF backend")
-        self.config = SamplingConfig(max_new_tokens, temperature, do_sample, top_p, top_k,
-                                     stop, tool_call_stop,
-                                     tuple(eos_token_ids or ()))
         self._rng = None if seed is None else torch.Generator().manual_seed(int(seed))
         if use_vllm:
             from SimpleTorchLLMRL.model.vllm import VLLMBackend
@@ -131,7 +135,7 @@ class ModelGenerate:
         self.tokenizer = tokenizer
         self._fitted: dict[int, tuple[object, int, list[int]]] = {}  # id(rollout) -> prompt ids `fits` encoded
         self.policy_version = int(policy_version)
-        if not eos_token_ids:
+        if not self.config.eos_token_ids:
             self.config.eos_token_ids = default_eos_ids(tokenizer, getattr(self.backend, "model", None))
 
     # -- configuration passthroughs (the seed API exposed them as attributes)
