@@ -29,6 +29,7 @@ engine's log-probs of a short probe match the trainer's (`check_agreement`;
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from collections.abc import Iterable
@@ -185,7 +186,7 @@ class VLLMBackend:
         from SimpleTorchLLMRL.model.adapters import use_adapter
 
         ids = probe_ids(self.tokenizer)
-        with use_adapter(model, adapter) if adapter is not None else _nullcontext(model):
+        with use_adapter(model, adapter) if adapter is not None else contextlib.nullcontext(model):
             mine = trainer_probe(model, ids)
         self._pending.append((ids, mine, lora_request))
         self._compare_pending()
@@ -236,12 +237,6 @@ class VLLMBackend:
 
 
 # ----------------------------------------------------------------------------- weight sync
-
-
-def _nullcontext(value):
-    import contextlib
-
-    return contextlib.nullcontext(value)
 
 
 def load_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
