@@ -5,8 +5,16 @@ import copy
 
 import pytest
 import torch
-from losses_helpers import assert_grads_close, batch_of, grads, make_rollouts, naive_logprobs, perturbed_copy, \
-    trained_positions, with_sampled_logprobs
+from losses_helpers import (
+    assert_grads_close,
+    batch_of,
+    grads,
+    make_rollouts,
+    naive_logprobs,
+    perturbed_copy,
+    trained_positions,
+    with_sampled_logprobs,
+)
 from test_grpo import REWARDS, _naive_adv, _naive_loss
 
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
