@@ -7,11 +7,14 @@ Parts, each in its own process (a crash or an out-of-memory in one is recorded, 
 
     quickstart   the README's quick start, its model moved to CUDA: rewards and clip fractions it prints
     grpo_vs_trl  one GRPO step at the qwen2.5-0.5b-gpu shape (16 prompts x 8 completions x 256 new tokens,
-                 bf16, random init): ours, TRL, TRL + Liger, gradient checkpointing off and on
+                 bf16, random init): ours, TRL + Liger, ours with Liger's body kernels, gradient
+                 checkpointing off and on (plain TRL: `grpo_vs_trl.py --device cuda`)
                  (`grpo_vs_trl.spawn`: seconds per phase, peak CUDA memory)
-    profile      torch.profiler of our loss + backward at that shape: the top 15 kernels / ops by self CUDA
-                 time, self CPU and CUDA totals, and model-FLOPs utilization (MFU) of loss + backward against
-                 a bf16 matmul rate measured first (`gpu_step.matmul_rate`, `gpu_step.forward_flops_per_token`)
+    profile      our loss + backward at that shape: seconds with each GPU head kernel ("gpu", "triton"), a
+                 torch.profiler table of the default one (top 15 kernels / ops by self CUDA time, self CPU and
+                 CUDA totals), model-FLOPs utilization (MFU) against a bf16 matmul rate measured first
+                 (`gpu_step.matmul_rate`, `gpu_step.forward_flops_per_token`), each kernel's log-probs and
+                 gradients against float64, and the same step with Liger's body kernels (`model.liger`)
     lora_memory  full fine-tuning vs LoRA r=16 on the same bf16 model and batch: peak memory and seconds of
                  loss + backward (CUDA: max_memory_allocated; CPU: the RSS high-water mark, reset before it)
 
@@ -114,19 +117,36 @@ def _loss_backward(model, grpo, tb, device: str) -> float:
     return seconds
 
 
+def _times(model, grpo, tb, device: str, n: int) -> list[float]:
+    return [_loss_backward(model, grpo, tb, device) for _ in range(n)]  # the first one warms up
+
+
+def _head_impls(device: str) -> list[str]:
+    from SimpleTorchLLMRL.model import head_triton
+
+    triton_ok = head_triton.available() and (device == "cuda" or head_triton.interpreting())
+    return ["gpu"] + (["triton"] if triton_ok else [])
+
+
 def part_profile(device: str, smoke: bool) -> dict:
+    """Our loss + backward at the check's shape: each GPU head kernel, a torch.profiler table of the default,
+    and the same with Liger's body kernels (`model.liger`); MFU of each; head numerics against float64."""
     import grpo_sides as sides
     import torch
     from gpu_step import forward_flops_per_token, matmul_rate
     from torch.profiler import ProfilerActivity, profile
 
+    from SimpleTorchLLMRL.model import logprobs as L
+
     peak = matmul_rate(torch.device(device), torch.bfloat16, n=256 if smoke else 8192, iters=2 if smoke else 20)
     model, _, grpo, tb = _rollouts(smoke, device)
-    numerics = head_numerics(model, tb)
-    grpo.compute_options.head_impl = "cpu"  # the row-blocked kernel that CUDA took before, same batch
-    cpu_kernel = [_loss_backward(model, grpo, tb, device) for _ in range(2)]
-    grpo.compute_options.head_impl = "auto"
-    times = [_loss_backward(model, grpo, tb, device) for _ in range(3)]  # the first one warms up
+    impls = _head_impls(device)
+    numerics = head_numerics(model, tb, impls=["cpu", *impls])
+    by_impl = {}
+    for impl in impls:
+        grpo.compute_options.head_impl = impl
+        by_impl[impl] = _times(model, grpo, tb, device, 3)
+    grpo.compute_options.head_impl = impls[-1]  # the one "auto" takes on CUDA
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         _loss_backward(model, grpo, tb, device)
@@ -143,21 +163,67 @@ def part_profile(device: str, smoke: bool) -> dict:
                                                      "num_key_value_heads": 2}
     tokens_run = B * new + (B // sides.RUN.shape.group) * prompt  # shared prompts run once per group
     flops = 3 * forward_flops_per_token(cfg, T / 2) * tokens_run
-    seconds = min(times[1:])
+    seconds = min(by_impl[impls[-1]][1:])
+    out = {"device": device, "seq_shape": [B, T], "tokens_run": tokens_run, "head_impl": impls[-1],
+           "loss_backward_s": by_impl[impls[-1]], "loss_backward_s_by_head_impl": by_impl,
+           "float32_output_gemm": L._F32_OUT["ok"], "numerics": numerics,
+           "measured_bf16_matmul_tflops": peak / 1e12, "model_tflops": flops / 1e12,
+           "mfu_loss_backward": flops / seconds / peak,
+           "self_cpu_ms_total": sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3,
+           "self_cuda_ms_total": sum(e.self_device_time_total for e in prof.key_averages()  # kernels only
+                                     if str(getattr(e, "device_type", "")).endswith("CUDA")) / 1e3,
+           "top15": top, "table": prof.key_averages().table(sort_by=key, row_limit=15)}
+    if device == "cuda":
+        out["triton_chunk_bytes"] = _chunk_sweep(model, grpo, tb, device)
+        out["liger_body"] = _with_liger_body(model, grpo, tb, device, flops, peak)
+    return out
+
+
+def _chunk_sweep(model, grpo, tb, device: str) -> dict:
+    """The "triton" kernel's chunk size (MiB of float32 logits): seconds and peak memory of loss + backward."""
+    import torch
+
     from SimpleTorchLLMRL.model import logprobs as L
 
-    return {"device": device, "seq_shape": [B, T], "tokens_run": tokens_run, "loss_backward_s": times,
-            "loss_backward_s_cpu_kernel": cpu_kernel, "float32_output_gemm": L._F32_OUT["ok"], "numerics": numerics,
-            "measured_bf16_matmul_tflops": peak / 1e12, "model_tflops": flops / 1e12,
-            "mfu_loss_backward": flops / seconds / peak,
-            "self_cpu_ms_total": sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3,
-            "self_cuda_ms_total": sum(e.self_device_time_total for e in prof.key_averages()  # kernels only
-                                      if str(getattr(e, "device_type", "")).endswith("CUDA")) / 1e3,
-            "top15": top, "table": prof.key_averages().table(sort_by=key, row_limit=15)}
+    default, out = L.TRITON_CHUNK_BYTES, {}
+    grpo.compute_options.head_impl = "triton"
+    try:
+        for mib in (128, 256, 512, 1024):
+            L.TRITON_CHUNK_BYTES = mib * 2**20
+            _loss_backward(model, grpo, tb, device)
+            torch.cuda.reset_peak_memory_stats()
+            seconds = min(_times(model, grpo, tb, device, 2))
+            out[str(mib)] = {"loss_backward_s": seconds, "peak_mib": torch.cuda.max_memory_allocated() / 2**20}
+    except Exception as e:  # noqa: BLE001
+        out["error"] = f"{type(e).__name__}: {e}"[-2000:]
+    finally:
+        L.TRITON_CHUNK_BYTES = default
+    return out
 
 
-def head_numerics(model, tb, n: int = 512) -> dict:
-    """Both kernels against float64 on the model's own hidden states (n trained tokens): max |d logp|, max
+def _with_liger_body(model, grpo, tb, device: str, flops: float, peak: float) -> dict:
+    """Liger's RMSNorm / SwiGLU / RoPE in the body, our head: log-probs against the HF body's, seconds, MFU."""
+    import torch
+
+    from SimpleTorchLLMRL.model.liger import apply_liger_kernels
+    from SimpleTorchLLMRL.model.logprobs import token_logprobs
+
+    try:
+        with torch.no_grad():
+            before = token_logprobs(model, tb.batch, positions=tb.mask)
+            apply_liger_kernels(model)
+            after = token_logprobs(model, tb.batch, positions=tb.mask)
+        times = _times(model, grpo, tb, device, 3)
+    except Exception as e:  # noqa: BLE001  (recorded: the rest of the check still runs)
+        return {"error": f"{type(e).__name__}: {e}"[-2000:]}
+    sel = tb.mask.bool()
+    return {"loss_backward_s": times, "mfu_loss_backward": flops / min(times[1:]) / peak,
+            "logp_max_abs_vs_hf_body": float((after - before)[sel].abs().max()),
+            "logp_mean_abs_vs_hf_body": float((after - before)[sel].abs().mean())}
+
+
+def head_numerics(model, tb, n: int = 512, impls=("cpu", "gpu")) -> dict:
+    """Each kernel against float64 on the model's own hidden states (n trained tokens): max |d logp|, max
     |d entropy| and the max error of d logp / d h relative to its largest entry."""
     import torch
 
@@ -174,10 +240,14 @@ def head_numerics(model, tb, n: int = 512) -> dict:
     ent64 = -(lp_all.exp() * lp_all).sum(-1)
     lp64.sum().backward()
     out = {"tokens": int(h.shape[0])}
-    for impl in ("cpu", "gpu"):
+    for impl in impls:
         hh = h.clone().requires_grad_()
-        lp, ent = logprobs_from_hidden(hh, head, y, head_impl=impl)
-        lp.sum().backward()
+        try:
+            lp, ent = logprobs_from_hidden(hh, head, y, head_impl=impl)
+            lp.sum().backward()
+        except Exception as e:  # noqa: BLE001  (recorded: a kernel that fails here is reported, not fatal)
+            out[impl] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
+            continue
         out[impl] = {"logp_max_abs": float((lp.double() - lp64).abs().max()),
                      "entropy_max_abs": float((ent.double() - ent64).abs().max()),
                      "grad_h_max_rel": float((hh.grad.double() - h64.grad).abs().max() / h64.grad.abs().max())}
@@ -218,14 +288,14 @@ def run_child(args: list[str], timeout: float) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def grpo_vs_trl(device: str, smoke: bool, timeout: float) -> dict:
+def grpo_vs_trl(device: str, smoke: bool, timeout: float, out: dict, save) -> dict:
+    """Fills `out` side by side, calling save() after each (a run cut short keeps what it measured)."""
     import grpo_sides as sides
     import grpo_vs_trl as bench
 
     shape = "tiny" if smoke else "qwen2.5-0.5b-gpu"
     vocab = 512 if smoke else sides.QWEN25_05B["vocab_size"]
-    variants = ["ours", "trl"] + ([] if smoke else ["trl_liger"])
-    out = {}
+    variants = ["ours", "trl"] if smoke else ["ours", "trl_liger", "ours_liger"]
     for gc in (False, True):
         for v in variants:
             key = f"{v}{'_gc' if gc else ''}"
@@ -239,6 +309,7 @@ def grpo_vs_trl(device: str, smoke: bool, timeout: float) -> dict:
             except Exception as e:  # noqa: BLE001  (recorded; the other sides still run)
                 out[key] = {"error": str(e)[-3000:]}
             print(f"[grpo_vs_trl] {key}: {_brief(out[key])} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            save()
     return out
 
 
@@ -251,19 +322,24 @@ def _brief(r: dict) -> str:
 
 
 def goals(res: dict) -> dict:
-    """The issue's goals, read off this run (None where a part failed)."""
+    """The issue's goals, read off this run (left out where a part failed); `_liger_body`: ours with
+    Liger's body kernels (`ours_liger`) against the same TRL + Liger run."""
     g = {}
     sides = res.get("grpo_vs_trl", {})
-    try:
+    for ours_key, suffix in (("ours", ""), ("ours_liger", "_liger_body")):
         for gc in ("", "_gc"):
-            ours, liger = sides[f"ours{gc}"], sides[f"trl_liger{gc}"]
-            g[f"loss_backward_speed_vs_liger{gc}"] = liger["timed_wall_s"]["loss_backward"] / ours["timed_wall_s"]["loss_backward"]
-            g[f"peak_memory_vs_liger{gc}"] = ours["peak_cuda_mib"] / liger["peak_cuda_mib"]
-    except (KeyError, TypeError):
-        pass
+            try:
+                ours, liger = sides[f"{ours_key}{gc}"], sides[f"trl_liger{gc}"]
+                speed = liger["timed_wall_s"]["loss_backward"] / ours["timed_wall_s"]["loss_backward"]
+                g[f"loss_backward_speed_vs_liger{gc}{suffix}"] = speed
+                g[f"peak_memory_vs_liger{gc}{suffix}"] = ours["peak_cuda_mib"] / liger["peak_cuda_mib"]
+            except (KeyError, TypeError):
+                pass
     prof = res.get("profile", {})
     if "mfu_loss_backward" in prof:
         g["mfu_loss_backward"] = prof["mfu_loss_backward"]
+    if "mfu_loss_backward" in prof.get("liger_body", {}):
+        g["mfu_loss_backward_liger_body"] = prof["liger_body"]["mfu_loss_backward"]
     mem = res.get("lora_memory", {})
     if "peak_mib" in mem.get("full", {}) and "peak_mib" in mem.get("lora", {}):
         g["lora_peak_vs_full"] = mem["lora"]["peak_mib"] / mem["full"]["peak_mib"]
@@ -308,7 +384,11 @@ def main() -> None:
     for part in a.parts:
         t0 = time.perf_counter()
         if part == "grpo_vs_trl":
-            res[part] = grpo_vs_trl(device, a.smoke, a.timeout)
+            triton = res.get("profile", {}).get("numerics", {}).get("triton", {})
+            if "error" in triton:  # our side falls back to the "gpu" head kernel rather than failing
+                os.environ["GRPO_SIDES_HEAD_IMPL"] = res["grpo_vs_trl_head_impl"] = "gpu"
+            res[part] = {}
+            grpo_vs_trl(device, a.smoke, a.timeout, res[part], save)
         elif part == "lora_memory":
             res[part] = {k: run_child([*smoke, "--part", part, *(["--lora"] if k == "lora" else [])], a.timeout)
                          for k in ("full", "lora")}

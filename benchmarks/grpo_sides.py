@@ -16,8 +16,11 @@ Phases of a step:
 
 Variants: `ours` (the library's defaults plus `GRPO(share_prefix=True)`: each group's prompt is
 prefilled once in generation and run once in the training forward), `ours_unshared` (both
-off: every row runs its whole sequence, as TRL does), `trl`, and `trl_liger` (TRL with
-`use_liger_kernel=True`: Liger's Triton kernels for RMSNorm, SwiGLU and RoPE; CUDA only).
+off: every row runs its whole sequence, as TRL does), `ours_liger` (`ours` with Liger's Triton kernels for
+RMSNorm, SwiGLU and RoPE in the body, `model.liger.apply_liger_kernels`; CUDA only), `trl`, and
+`trl_liger` (TRL with `use_liger_kernel=True`: the same body kernels and Liger's fused GRPO loss; CUDA only).
+
+`GRPO_SIDES_HEAD_IMPL` (environment) sets our side's `head_impl` (default "auto").
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ SHAPES = {
     # a GPU-sized batch of the same model (the CPU shape above is sized for a 2-core machine)
     "qwen2.5-0.5b-gpu": Shape(16, 8, 256, "qwen2.5-0.5b", "Qwen2.5-0.5B config, random init, bf16 on one GPU"),
 }
-VARIANTS = ("ours", "ours_unshared", "trl", "trl_liger")
+VARIANTS = ("ours", "ours_unshared", "ours_liger", "trl", "trl_liger")
 
 
 @dataclass
@@ -178,7 +181,8 @@ def _setup_memory() -> dict:
     return {"rss_after_setup_mb": rss_mb(), "maxrss_after_setup_mb": maxrss_mb(), "cuda_after_setup_mb": cuda_mb(False)}
 
 
-def run_ours(vocab: int, steps: int = 2, profile: str | None = None, share: bool = True) -> dict:
+def run_ours(vocab: int, steps: int = 2, profile: str | None = None, share: bool = True,
+             liger: bool = False) -> dict:
     import torch
 
     from SimpleTorchLLMRL.chat.message import Message, Rollout
@@ -186,11 +190,16 @@ def run_ours(vocab: int, steps: int = 2, profile: str | None = None, share: bool
     from SimpleTorchLLMRL.trainer.GRPO import GRPO
 
     tok, model = build(vocab)
+    if liger:
+        from SimpleTorchLLMRL.model.liger import apply_liger_kernels
+
+        apply_liger_kernels(model)
     G = RUN.shape.group
     gen = ModelGenerate(model, tok, max_new_tokens=RUN.shape.new_tokens, temperature=1.0,
                         eos_token_ids=[vocab + 7])  # never sampled: every row runs N tokens, like min_new_tokens
     gen.backend.share_prefill = share
-    grpo = GRPO(model, tok, beta=0.0, group_size=G, temperature=1.0, share_prefix=share)
+    grpo = GRPO(model, tok, beta=0.0, group_size=G, temperature=1.0, share_prefix=share,
+                head_impl=os.environ.get("GRPO_SIDES_HEAD_IMPL", "auto"))
     if RUN.gradient_checkpointing:  # active in train mode only: generation (eval mode) keeps its KV cache
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
@@ -320,8 +329,8 @@ def run_trl(vocab: int, steps: int = 2, profile: str | None = None, liger: bool 
 
 
 def run(variant: str, vocab: int, steps: int, profile: str | None) -> dict:
-    if variant in ("ours", "ours_unshared"):
-        return run_ours(vocab, steps, profile, share=variant == "ours")
+    if variant.startswith("ours"):
+        return run_ours(vocab, steps, profile, share=variant != "ours_unshared", liger=variant == "ours_liger")
     return run_trl(vocab, steps, profile, liger=variant == "trl_liger")
 
 

@@ -244,10 +244,10 @@ def main() -> None:
     gpu = a.device == "cuda"
     a.shape = a.shape or (["qwen2.5-0.5b-gpu"] if gpu else ["tiny"])
     a.dtype = a.dtype or ("bfloat16" if gpu else "float32")
-    a.variants = a.variants or (["ours", "ours_unshared", "trl", "trl_liger"] if gpu else ["ours", "trl"])
+    a.variants = a.variants or (["ours", "ours_unshared", "ours_liger", "trl", "trl_liger"] if gpu else ["ours", "trl"])
     a.out = a.out or RESULTS / ("grpo_vs_trl_gpu.json" if gpu else "grpo_vs_trl.json")
-    if "trl_liger" in a.variants and not gpu:
-        ap.error("trl_liger needs --device cuda: Liger's kernels are Triton GPU kernels")
+    if {"trl_liger", "ours_liger"} & set(a.variants) and not gpu:
+        ap.error("trl_liger and ours_liger need --device cuda: Liger's kernels are Triton GPU kernels")
     if gpu and not cuda_available():
         print("grpo_vs_trl.py --device cuda: CUDA is not available on this machine, nothing was measured "
               "(see docs/benchmarks.md#gpu)")

@@ -6,6 +6,7 @@ from losses_helpers import batch_of, make_rollouts, multi_turn_rollout, naive_lo
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from SimpleTorchLLMRL.model import head_triton
 from SimpleTorchLLMRL.model.logprobs import fused_token_loss, logprobs_from_hidden, token_logprobs
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
@@ -22,7 +23,10 @@ def small_scratch(monkeypatch, V, rows):
         monkeypatch.setattr("SimpleTorchLLMRL.model.logprobs.SCRATCH_BYTES", 4 * V * rows)
 
 
-KERNELS = [("cpu", None), ("cpu", 3), ("gpu", None)]  # (head_impl, scratch rows of the cpu kernel)
+# (head_impl, scratch rows of the cpu kernel); "triton" runs on CPU only in Triton's interpreter, i.e. when
+# test_gpu_path.py runs these tests again in a process started with TRITON_INTERPRET=1
+TRITON = ["triton"] if head_triton.interpreting() else []
+KERNELS = [("cpu", None), ("cpu", 3), ("gpu", None)] + [(k, None) for k in TRITON]
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -99,7 +103,7 @@ BF16_LOGP_ATOL = 0.03  # bf16 weights and hidden states, |logits| up to 5.2: mea
 BF16_GRAD_RTOL = 0.02  # relative to the largest gradient entry: measured max 0.0055 (cpu and gpu kernels, CPU)
 
 
-@pytest.mark.parametrize("impl", ["cpu", "gpu"])
+@pytest.mark.parametrize("impl", ["cpu", "gpu", *TRITON])
 @pytest.mark.parametrize("fused", [True, False])
 def test_bfloat16_head_within_the_stated_bound(impl, fused):
     """A bf16 model's head (the GPU path's dtype): log-probs, entropy and gradients vs float64 on the same
@@ -136,12 +140,17 @@ def test_head_impl_is_checked_and_auto_follows_the_device():
     with pytest.raises(ValueError, match="head_impl"):
         logprobs_from_hidden(h, head, y, head_impl="tpu")
     assert L._kernel("auto", torch.device("cpu")) is L._LinearChunks
-    assert L._kernel("auto", torch.device("cuda")) is L._DeviceChunks
+    on_cuda = L._TritonChunks if head_triton.available() else L._DeviceChunks
+    assert L._kernel("auto", torch.device("cuda")) is on_cuda
     assert L._kernel("gpu", torch.device("cpu")) is L._DeviceChunks
     # chunk sizes: the caller's, else 512 tokens on cpu, GPU_CHUNK_BYTES of float32 logits on gpu
     assert L._chunk_tokens(L._LinearChunks, None, 151_936) == 512
     assert L._chunk_tokens(L._DeviceChunks, None, 151_936) * 4 * 151_936 <= L.GPU_CHUNK_BYTES
     assert L._chunk_tokens(L._DeviceChunks, 7, 151_936) == 7
+    assert L._chunk_tokens(L._TritonChunks, None, 151_936) * 4 * 151_936 <= L.TRITON_CHUNK_BYTES
+    if not head_triton.interpreting():  # a CPU tensor cannot reach a compiled Triton kernel: one clear error
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            logprobs_from_hidden(h, head, y, head_impl="triton")
 
 
 def test_upcast_and_bfloat16_weight():

@@ -22,7 +22,7 @@ scores chunks of `chunk_size` positions at a time:
 - any other head (peft-wrapped, quantized, soft-capped logits): each chunk runs
   under `torch.utils.checkpoint`, so backward keeps one chunk's logits at a time.
 
-Two kernels score a chunk, chosen by one switch, `head_impl`:
+Three kernels score a chunk, chosen by one switch, `head_impl`:
 
 - "cpu": row blocks inside a chunk whose float32 scratch stays under glibc's mmap
   threshold (fast on CPUs, where fresh large blocks are page-faulted on every use);
@@ -31,8 +31,13 @@ Two kernels score a chunk, chosen by one switch, `head_impl`:
   (`GPU_CHUNK_BYTES` of logits) rather than by a token count: a handful of
   large kernels per chunk and no per-row Python loop on the device.
 
-"auto" (the default) takes "gpu" for CUDA tensors and "cpu" otherwise; "gpu" runs
-on the CPU too, so its numerics are tested without a GPU.
+- "triton": the "gpu" kernel's GEMMs with its elementwise passes replaced by two Triton
+  kernels (`head_triton`): one read of the logits for the softmax statistics, one that
+  writes their gradient in the head's dtype.
+
+"auto" (the default) takes "triton" for CUDA tensors ("gpu" when Triton is missing) and
+"cpu" otherwise. "gpu" runs on the CPU too, and "triton" does in Triton's interpreter
+(TRITON_INTERPRET=1), so the numerics of both are tested without a GPU.
 
 Entropy is a diagnostic: it is returned detached.
 """
@@ -47,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from SimpleTorchLLMRL.model import head_triton
 from SimpleTorchLLMRL.model.shared_prefix import (
     check_shared_prefix,
     first_positions,
@@ -56,10 +62,11 @@ from SimpleTorchLLMRL.model.shared_prefix import (
 )
 from SimpleTorchLLMRL.utils.warn import warn_user
 
-DEFAULT_CHUNK_SIZE = None  # None: 512 tokens on the "cpu" kernel, GPU_CHUNK_BYTES of logits on the "gpu" one
+DEFAULT_CHUNK_SIZE = None  # None: 512 tokens on the "cpu" kernel, GPU_CHUNK_BYTES / TRITON_CHUNK_BYTES of logits
 CPU_CHUNK_SIZE = 512
-GPU_CHUNK_BYTES = 512 * 2**20
-HEAD_IMPLS = ("auto", "cpu", "gpu")
+GPU_CHUNK_BYTES = 512 * 2**20  # float32 logits per chunk of the "gpu" kernel
+TRITON_CHUNK_BYTES = 256 * 2**20  # ... and of the "triton" one (plus half that for its gradient in bf16)
+HEAD_IMPLS = ("auto", "cpu", "gpu", "triton")
 SCRATCH_BYTES = 16 * 2**20  # row blocks for the softmax sums inside a chunk stay under glibc's mmap threshold
 _VERIFIED: weakref.WeakSet = weakref.WeakSet()  # models whose head was checked once
 
@@ -293,6 +300,36 @@ class _DeviceChunks(_LinearChunks):
             self.grad_b += g.sum(0)
 
 
+class _TritonChunks(_DeviceChunks):
+    """The "triton" kernel: the "gpu" kernel's GEMMs, its elementwise passes done by `head_triton`.
+
+    Per chunk: the logits GEMM (float32 output), one read for log p(y) / entropy / logsumexp
+    (`row_stats`), and when a gradient is needed one more read that writes
+    dL/dz in the head's dtype (`row_grad`) for the two gradient GEMMs.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._g = None  # (n, V) gradient buffer in the head's dtype, reused across chunks
+
+    def score(self, hc: torch.Tensor, yc: torch.Tensor, probs: bool, entropy: bool):
+        z = _mm_f32(hc.to(self.W.dtype), self.W.t())  # (n, V) float32, temperature not applied
+        if self.b is not None:
+            z += self.b.float()
+        logp, ent, lse = head_triton.row_stats(z, yc, self.inv_temp)
+        return logp, ent if entropy else None, (z, lse) if probs else None
+
+    def dlogp_dlogits(self, p, yc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        z, lse = p
+        if self._g is None or self._g.shape[0] < z.shape[0]:
+            self._g = torch.empty(z.shape, dtype=self.W.dtype, device=z.device)
+        return head_triton.row_grad(z, yc, lse, scale * self.inv_temp, self.inv_temp, out=self._g[: z.shape[0]])
+
+    def free_buffers(self) -> None:
+        super().free_buffers()
+        self._g = None
+
+
 _F32_OUT = {"ok": True}  # CUDA GEMMs with a float32 output (torch >= 2.8); off after the first refusal
 
 
@@ -326,16 +363,19 @@ def _kernel(impl: str, device: torch.device):
     if impl not in HEAD_IMPLS:
         raise ValueError(f"head_impl={impl!r} is invalid; expected one of {HEAD_IMPLS}")
     if impl == "auto":
-        impl = "gpu" if device.type == "cuda" else "cpu"
-    return _DeviceChunks if impl == "gpu" else _LinearChunks
+        impl = ("triton" if head_triton.available() else "gpu") if device.type == "cuda" else "cpu"
+    if impl == "triton":
+        head_triton.check_device(device)
+    return {"cpu": _LinearChunks, "gpu": _DeviceChunks, "triton": _TritonChunks}[impl]
 
 
 def _chunk_tokens(kernel, chunk_size: int | None, vocab: int) -> int:
     """Tokens per chunk: the caller's, else 512 on the cpu kernel, GPU_CHUNK_BYTES of float32 logits on gpu."""
     if chunk_size is not None:
         return chunk_size
-    if kernel is _DeviceChunks:
-        return max(64, GPU_CHUNK_BYTES // (4 * vocab) // 64 * 64)
+    if issubclass(kernel, _DeviceChunks):
+        budget = TRITON_CHUNK_BYTES if kernel is _TritonChunks else GPU_CHUNK_BYTES
+        return max(64, budget // (4 * vocab) // 64 * 64)
     return CPU_CHUNK_SIZE
 
 
@@ -464,7 +504,7 @@ def logprobs_from_hidden(hidden: torch.Tensor, head: nn.Module, targets: torch.T
     `upcast` runs the head's matmul in float32 (plain Linear heads only; logits
     and the log-softmax are always float32). `fused=None` picks the custom
     autograd path for a plain `nn.Linear` head, checkpointed chunks otherwise.
-    head_impl: the chunk kernel of the custom path, "auto" | "cpu" | "gpu" (module docstring).
+    head_impl: the chunk kernel of the custom path, "auto" | "cpu" | "gpu" | "triton" (module docstring).
     chunk_size None: by kernel (512 tokens on cpu, GPU_CHUNK_BYTES of logits on gpu).
     """
     inv_temp = _check(temperature, chunk_size, head_impl)
@@ -549,7 +589,7 @@ def token_logprobs(model, batch, temperature: float = 1.0, chunk_size: int | Non
     the same forward, e.g. for a value head). share_prefix: rows with the same tokens
     before their first scored position run those tokens once (`final_hidden_states`'s
     `start`); hidden states before that position are then 0. head_impl: the chunk
-    kernel, "auto" | "cpu" | "gpu" (module docstring).
+    kernel, "auto" | "cpu" | "gpu" | "triton" (module docstring).
     """
     _check(temperature, chunk_size, head_impl)
     input_ids, attention_mask = batch.input_ids, batch.attention_mask

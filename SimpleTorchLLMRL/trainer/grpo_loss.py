@@ -178,7 +178,7 @@ def grpo_loss(h: torch.Tensor, head, y: torch.Tensor, x: TokenInputs, config: GR
 
     fused (token-level ratios, plain Linear head): the gradient is formed chunk by chunk in the
     forward (`fused_token_loss`); otherwise chunked log-probs + autograd. Same values either way.
-    head_impl: the chunk kernel of `model.logprobs`, "auto" | "cpu" | "gpu".
+    head_impl: the chunk kernel of `model.logprobs`, "auto" | "cpu" | "gpu" | "triton".
     """
     opts = dict(temperature=temperature, chunk_size=chunk_size, head_impl=head_impl)
     if fused and config.ratio_level == "token" and supports_fused(head, softcap):
