@@ -1,4 +1,4 @@
-"""The GPU check: everything a GPU user judges us by, in one run of at most 8 minutes on one H100 / H200.
+"""The GPU check: everything a GPU user judges us by, in one run of about 10 minutes on one H100.
 
     python benchmarks/gpu_check.py            # CUDA; writes benchmarks/results/gpu_check.json
     python benchmarks/gpu_check.py --smoke    # CPU, tiny shapes: checks every part's code path
@@ -185,11 +185,11 @@ def _chunk_sweep(model, grpo, tb, device: str) -> dict:
 
     from SimpleTorchLLMRL.model import logprobs as L
 
-    default, out = L.TRITON_CHUNK_BYTES, {}
+    default, out = L.GPU_CHUNK_BYTES, {}
     grpo.compute_options.head_impl = "triton"
     try:
         for mib in (128, 256, 512, 1024):
-            L.TRITON_CHUNK_BYTES = mib * 2**20
+            L.GPU_CHUNK_BYTES = mib * 2**20
             _loss_backward(model, grpo, tb, device)
             torch.cuda.reset_peak_memory_stats()
             seconds = min(_times(model, grpo, tb, device, 2))
@@ -197,7 +197,7 @@ def _chunk_sweep(model, grpo, tb, device: str) -> dict:
     except Exception as e:  # noqa: BLE001
         out["error"] = f"{type(e).__name__}: {e}"[-2000:]
     finally:
-        L.TRITON_CHUNK_BYTES = default
+        L.GPU_CHUNK_BYTES = default
     return out
 
 

@@ -62,10 +62,13 @@ from SimpleTorchLLMRL.model.shared_prefix import (
 )
 from SimpleTorchLLMRL.utils.warn import warn_user
 
-DEFAULT_CHUNK_SIZE = None  # None: 512 tokens on the "cpu" kernel, GPU_CHUNK_BYTES / TRITON_CHUNK_BYTES of logits
+DEFAULT_CHUNK_SIZE = None  # None: 512 tokens on the "cpu" kernel, GPU_CHUNK_BYTES of logits on "gpu" / "triton"
 CPU_CHUNK_SIZE = 512
-GPU_CHUNK_BYTES = 512 * 2**20  # float32 logits per chunk of the "gpu" kernel
-TRITON_CHUNK_BYTES = 256 * 2**20  # ... and of the "triton" one (plus half that for its gradient in bf16)
+# float32 logits per chunk of the "gpu" and "triton" kernels. Measured on an H100 (Qwen2.5-0.5B, 33k tokens,
+# "triton"): 128 / 256 / 512 / 1024 MiB took 0.74 / 0.62 / 0.49 / 0.48 s per loss + backward, the same peak
+# up to 512 MiB (docs/benchmarks.md#gpu): each chunk pays a fixed cost (its loss terms, kernel launches,
+# one read-modify-write of the float32 weight gradient).
+GPU_CHUNK_BYTES = 512 * 2**20
 HEAD_IMPLS = ("auto", "cpu", "gpu", "triton")
 SCRATCH_BYTES = 16 * 2**20  # row blocks for the softmax sums inside a chunk stay under glibc's mmap threshold
 _VERIFIED: weakref.WeakSet = weakref.WeakSet()  # models whose head was checked once
@@ -374,8 +377,7 @@ def _chunk_tokens(kernel, chunk_size: int | None, vocab: int) -> int:
     if chunk_size is not None:
         return chunk_size
     if issubclass(kernel, _DeviceChunks):
-        budget = TRITON_CHUNK_BYTES if kernel is _TritonChunks else GPU_CHUNK_BYTES
-        return max(64, budget // (4 * vocab) // 64 * 64)
+        return max(64, GPU_CHUNK_BYTES // (4 * vocab) // 64 * 64)
     return CPU_CHUNK_SIZE
 
 
