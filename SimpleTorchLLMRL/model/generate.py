@@ -188,16 +188,36 @@ class ModelGenerate:
 
     # -- generation
     def generate(self, rollouts: Sequence[Rollout], n: int = 1, *,
-                 adapter: str | Sequence[str | None] | None = None) -> list[list[Message]]:
+                 adapter: str | Sequence[str | None] | None = None, sampling: SamplingConfig | None = None,
+                 seed: int | None = None) -> list[list[Message]]:
         """`n` sampled MODEL messages per rollout, all prompts x n in one batch. Does not append.
 
         adapter: sample with this LoRA adapter of a multi-adapter peft model (HF) or with the
         `LoRARequest` pushed under this name (vLLM: `push_weights(model, "adapter", adapter=...)`),
         and record it on each message; a list gives one adapter per rollout (None: as configured).
         The HF backend runs one batch per adapter, in order of first appearance; vLLM one batch.
+        sampling: other sampling options for this call only (its empty eos_token_ids take the
+        generator's); seed: this call's seed instead of the next one of the generator's sequence.
+        Calls are not reentrant: one generation at a time per generator.
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive int, got {n!r}")
+        if sampling is None:
+            return self._generate(rollouts, n, adapter, seed)
+        if not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        own = self.config
+        call = dataclasses.replace(sampling, eos_token_ids=sampling.eos_token_ids or own.eos_token_ids)
+        check = getattr(self.backend, "check_sampling", None)  # vLLM: its log-probs mode must fit the call
+        if check is not None:
+            check(call)
+        self.config = self.backend.cfg = call
+        try:
+            return self._generate(rollouts, n, adapter, seed)
+        finally:
+            self.config = self.backend.cfg = own
+
+    def _generate(self, rollouts, n: int, adapter, seed: int | None) -> list[list[Message]]:
         rollouts = list(rollouts)
         if not rollouts:
             return []
@@ -208,19 +228,20 @@ class ModelGenerate:
         self._check_prompts(prompts)
         adapters = _per_rollout(adapter, len(rollouts))
         if adapters is None:
-            return self._sample(prompts, n, None, [None] * len(prompts))
+            return self._sample(prompts, n, None, [None] * len(prompts), seed)
         if getattr(self.backend, "mixed_adapters", False):  # vLLM: one LoRARequest per prompt, one batch
-            return self._sample(prompts, n, adapters, adapters)
+            return self._sample(prompts, n, adapters, adapters, seed)
         out: list[list[Message] | None] = [None] * len(prompts)
         for name in dict.fromkeys(adapters):  # one batch per adapter
             rows = [i for i, a in enumerate(adapters) if a == name]
-            for i, msgs in zip(rows, self._sample([prompts[i] for i in rows], n, name, [name] * len(rows)),
+            for i, msgs in zip(rows, self._sample([prompts[i] for i in rows], n, name, [name] * len(rows), seed),
                                strict=True):
                 out[i] = msgs
         return out
 
-    def _sample(self, prompts, n, adapter, recorded) -> list[list[Message]]:
-        seed = None if self._rng is None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
+    def _sample(self, prompts, n, adapter, recorded, seed: int | None = None) -> list[list[Message]]:
+        if seed is None and self._rng is not None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
         if adapter is None:
             samples = self.backend.generate(prompts, n, seed)  # len(prompts) lists of n Samples
         else:

@@ -100,6 +100,12 @@ class VLLMBackend:
 
     mixed_adapters = True  # one generate call serves prompts of several adapters (one LoRARequest each)
 
+    def check_sampling(self, cfg: SamplingConfig) -> None:
+        """Raise when this engine's log-probs mode cannot record `cfg`'s log-probs (a per-call override)."""
+        problem = logprobs_mode_problem(self.logprobs_mode, cfg)
+        if problem:
+            raise ValueError(problem)
+
     @property
     def logprob_temperature(self) -> float:
         return 1.0 if self.cfg.greedy else float(self.cfg.temperature)

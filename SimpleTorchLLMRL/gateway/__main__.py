@@ -1,0 +1,56 @@
+"""Serve a local model behind the OpenAI Chat Completions API and record every session.
+
+    uv run python -m SimpleTorchLLMRL.gateway --model DIR --port 8000 --record-to rollouts.jsonl
+
+Clients: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=SESSION)`. Rollouts are written
+to --record-to as they become final, and every session's when the server stops (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a local HF model directory (or a vLLM model with --backend vllm)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--record-to", default=None, help="a .jsonl file that receives the recorded rollouts")
+    ap.add_argument("--served-model-name", default="policy", help="the `model` clients ask for")
+    ap.add_argument("--backend", choices=["hf", "vllm"], default="hf")
+    ap.add_argument("--max-new-tokens", type=int, default=512, help="default max_tokens of a request")
+    ap.add_argument("--temperature", type=float, default=1.0, help="default temperature of a request")
+    ap.add_argument("--tool-call-stop", nargs="*", default=["</tool_call>"],
+                    help="stop strings that end a turn at a finished tool call")
+    a = ap.parse_args(argv)
+
+    from SimpleTorchLLMRL.gateway import Gateway
+    from SimpleTorchLLMRL.model.generate import ModelGenerate
+
+    if a.backend == "vllm":
+        generator = ModelGenerate(a.model, None, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                                  tool_call_stop=a.tool_call_stop or None, backend="vllm")
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(a.model, padding_side="left")
+        model = AutoModelForCausalLM.from_pretrained(a.model).eval()
+        generator = ModelGenerate(model, tokenizer, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                                  tool_call_stop=a.tool_call_stop or None)
+    gateway = Gateway(generator, model_name=a.served_model_name, record_to=a.record_to)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with gateway.serve(a.host, a.port) as url:
+        print(f"serving {a.served_model_name!r} at {url}", flush=True)
+        try:
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+    gateway.close()
+
+
+if __name__ == "__main__":
+    main()

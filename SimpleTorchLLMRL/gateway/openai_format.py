@@ -1,0 +1,268 @@
+"""The OpenAI Chat Completions wire format: requests in, responses and stream chunks out.
+
+Plain functions over JSON-ready dicts; nothing here knows about HTTP or sessions.
+
+    parse_request(body, model_name, defaults) -> ChatRequest     (raises RequestError -> a 4xx body)
+    reply_view(text, tools, parsers)         -> (content, tool_calls, well_formed)
+    completion_payload(...) / stream_payloads(...)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+from SimpleTorchLLMRL.model.sampling import SamplingConfig
+from SimpleTorchLLMRL.tools.parsers import JsonToolCallParser, parse_tool_calls
+
+MAX_N = 64
+FINISH = {"stop": "stop", "length": "length", "tool_call": "tool_calls"}
+
+
+class RequestError(Exception):
+    """A request the gateway refuses: HTTP status plus the OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> RequestError:
+    return RequestError(400, message, code=code, param=param)
+
+
+@dataclass
+class ChatRequest:
+    """One validated request. `chat`: the messages as normalized dicts (see `normalize_message`)."""
+
+    chat: list[dict]
+    tools: list[dict] | None
+    sampling: SamplingConfig
+    n: int = 1
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    return_token_ids: bool = False
+    template_kwargs: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+def _number(body: dict, key: str, lo: float, hi: float, default):
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise bad(f"'{key}' must be a number in [{lo}, {hi}], got {value!r}", key)
+    return value
+
+
+def _int(body: dict, key: str, lo: int, hi: int | None, default):
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        raise bad(f"'{key}' must be an integer >= {lo}{'' if hi is None else f' and <= {hi}'}, got {value!r}", key)
+    return value
+
+
+def _arguments(raw: Any, where: str) -> dict:
+    """Tool-call arguments as an object: OpenAI sends a JSON string, templates want the object."""
+    if isinstance(raw, dict):
+        return raw
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
+        return {}
+    if isinstance(raw, str):
+        try:
+            value = json.loads(raw)
+        except ValueError as e:
+            raise bad(f"{where}: function.arguments is not valid JSON: {e}", "messages") from e
+        if isinstance(value, dict):
+            return value
+    raise bad(f"{where}: function.arguments must be a JSON object (or its JSON string)", "messages")
+
+
+def normalize_message(turn: Any, i: int) -> dict:
+    """An OpenAI message -> {role, content (str), name?, tool_calls? [{id, type, function{name, arguments}}],
+    tool_call_id?}: text parts joined, "developer" as "system", arguments parsed to objects."""
+    where = f"messages[{i}]"
+    if not isinstance(turn, dict):
+        raise bad(f"{where} must be an object, got {type(turn).__name__}", "messages")
+    role = turn.get("role")
+    role = "system" if role == "developer" else role
+    if role not in ("system", "user", "assistant", "tool"):
+        raise bad(f"{where}: unknown role {role!r}; expected system, developer, user, assistant or tool", "messages")
+    try:  # text parts and None content, as Rollout.from_chat reads them
+        content = Rollout.from_chat([{"role": role, "content": turn.get("content")}])[0].content
+    except (ValueError, TypeError) as e:
+        raise bad(f"{where}: {e}", "messages") from e
+    out: dict[str, Any] = {"role": role, "content": content}
+    if isinstance(turn.get("name"), str):
+        out["name"] = turn["name"]
+    if role == "assistant" and turn.get("tool_calls"):
+        calls = turn["tool_calls"]
+        if not isinstance(calls, list):
+            raise bad(f"{where}: tool_calls must be a list", "messages")
+        norm = []
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise bad(f"{where}.tool_calls[{j}] needs function.name", "messages")
+            norm.append({"id": str(call.get("id") or f"call_{j}"), "type": "function",
+                         "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments"),
+                                                                                  f"{where}.tool_calls[{j}]")}})
+        out["tool_calls"] = norm
+    if role == "tool":
+        if turn.get("tool_call_id") is not None and not isinstance(turn.get("tool_call_id"), str):
+            raise bad(f"{where}: tool_call_id must be a string", "messages")
+        if turn.get("tool_call_id"):
+            out["tool_call_id"] = turn["tool_call_id"]
+    return out
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                                              and isinstance(t["function"].get("name"), str) for t in tools):
+        raise bad("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}} objects", "tools")
+    return tools
+
+
+def parse_request(body: Any, model_name: str, defaults: SamplingConfig) -> ChatRequest:
+    """Validate a /v1/chat/completions body. Options the request leaves out keep the generator's."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise RequestError(404, f"The model '{model}' does not exist; this gateway serves '{model_name}'",
+                           code="model_not_found", param="model")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' is required: a non-empty list of messages", "messages")
+    chat = [normalize_message(m, i) for i, m in enumerate(messages)]
+    max_tokens = _int(body, "max_completion_tokens", 1, None, None)
+    max_tokens = _int(body, "max_tokens", 1, None, max_tokens if max_tokens is not None else defaults.max_new_tokens)
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and len(stop) <= 4)):
+        raise bad("'stop' must be a string or a list of at most 4 strings", "stop")
+    try:
+        sampling = SamplingConfig(
+            max_new_tokens=max_tokens, temperature=_number(body, "temperature", 0, 2, defaults.temperature),
+            do_sample=defaults.do_sample, top_p=_number(body, "top_p", 0, 1, defaults.top_p) or None,
+            top_k=defaults.top_k, stop=tuple(defaults.stop) + tuple([stop] if isinstance(stop, str) else stop or []),
+            tool_call_stop=defaults.tool_call_stop, eos_token_ids=defaults.eos_token_ids)
+    except ValueError as e:
+        raise bad(str(e)) from e
+    top = _int(body, "top_logprobs", 0, 20, 0)
+    if top and not body.get("logprobs"):
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    stream_options = body.get("stream_options") or {}
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    return ChatRequest(chat=chat, tools=_tools(body), sampling=sampling, n=_int(body, "n", 1, MAX_N, 1),
+                       seed=_int(body, "seed", 0, None, None), stream=bool(body.get("stream")),
+                       include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
+                       logprobs=bool(body.get("logprobs")), top_logprobs=top,
+                       return_token_ids=bool(body.get("return_token_ids")), template_kwargs=kwargs)
+
+
+def to_message(turn: dict) -> Message:
+    """A normalized message as a `Message`. An assistant turn the client sent is context: not trained."""
+    kind = MessageType.from_role(turn["role"])
+    return Message(turn["content"], kind, name=turn.get("name"), tool_calls=turn.get("tool_calls"),
+                   tool_call_id=turn.get("tool_call_id"), trainable=False if kind is MessageType.MODEL else None)
+
+
+# ----------------------------------------------------------------------------- replies
+
+
+def reply_view(text: str, tools: list[dict] | None, parsers: Sequence | None = None):
+    """(content, tool_calls) the client is shown for a sampled text: with tools, well-formed calls become
+    OpenAI tool_calls and leave the content; any malformed call leaves the whole text as content."""
+    if not tools:
+        return text, []
+    calls = parse_tool_calls(text, parsers or [JsonToolCallParser()])
+    if not calls or any(c.error for c in calls):
+        return text, []
+    content, last = [], 0
+    for c in calls:
+        content.append(text[last:c.span[0]])
+        last = c.span[1]
+    content.append(text[last:])
+    body = "".join(content).strip()
+    return (body or None), [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                             "function": {"name": c.name, "arguments": json.dumps(c.arguments or {},
+                                                                                  ensure_ascii=False)}}
+                            for c in calls]
+
+
+def logprobs_payload(tokenizer, ids: list[int], logprobs: list[float], top: list | None) -> dict:
+    """OpenAI `choice.logprobs`: one entry per sampled token (decoded text, bytes, log-prob, top alternatives)."""
+    def entry(tok: int, lp: float) -> dict:
+        text = tokenizer.decode([tok])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for k, (tok, lp) in enumerate(zip(ids, logprobs, strict=True)):
+        e = entry(tok, lp)
+        e["top_logprobs"] = [entry(t, v) for t, v in top[k]] if top is not None else []
+        content.append(e)
+    return {"content": content, "refusal": None}
+
+
+def new_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def completion_payload(rid: str, model: str, choices: list[dict], prompt_ids: list[int],
+                       return_token_ids: bool) -> dict:
+    """A `chat.completion` object. choices: dicts with index, message, finish_reason, logprobs, token_ids."""
+    completion = sum(len(c["token_ids"]) for c in choices)
+    out = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+           "choices": [{k: v for k, v in c.items() if k != "token_ids" or return_token_ids} for c in choices],
+           "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+                     "total_tokens": len(prompt_ids) + completion}}
+    if return_token_ids:
+        out["prompt_token_ids"] = list(prompt_ids)
+    return out
+
+
+def stream_payloads(full: dict, include_usage: bool) -> list[dict]:
+    """The same completion as `chat.completion.chunk` objects: per choice a role chunk, a content chunk,
+    a tool-calls chunk, a finish chunk; then a usage chunk when asked."""
+    base = {"id": full["id"], "object": "chat.completion.chunk", "created": full["created"], "model": full["model"]}
+    chunks = []
+
+    def chunk(index: int, delta: dict, finish=None, logprobs=None, extra=None) -> dict:
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs, **(extra or {})}
+        return {**base, "choices": [choice]}
+
+    for c in full["choices"]:
+        msg, i = c["message"], c["index"]
+        chunks.append(chunk(i, {"role": "assistant", "content": ""}))
+        if msg.get("content"):
+            chunks.append(chunk(i, {"content": msg["content"]}, logprobs=c.get("logprobs")))
+        for j, call in enumerate(msg.get("tool_calls") or []):
+            chunks.append(chunk(i, {"tool_calls": [{"index": j, **call}]}))
+        extra = {"token_ids": c["token_ids"]} if "token_ids" in c else None
+        chunks.append(chunk(i, {}, finish=c["finish_reason"], extra=extra))
+    if "prompt_token_ids" in full:
+        chunks[0]["prompt_token_ids"] = full["prompt_token_ids"]
+    if include_usage:
+        chunks.append({**base, "choices": [], "usage": full["usage"]})
+    return chunks

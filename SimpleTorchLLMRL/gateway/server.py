@@ -1,0 +1,263 @@
+"""`Gateway`: an OpenAI-compatible chat endpoint over a `ModelGenerate` that records what it sampled.
+
+    gw = Gateway(generator)                                  # HF or vLLM backend
+    with gw.serve(host="127.0.0.1", port=0) as url:          # url: "http://127.0.0.1:PORT/v1"
+        client = OpenAI(base_url=url, api_key="episode-17")   # the API key names the session
+        ...                                                  # any agent written against the OpenAI API
+    rollouts = gw.rollouts("episode-17")                     # list[Rollout], ready for GRPO
+
+Routes: POST /v1/chat/completions, GET /v1/models, GET /health. A session is named by the
+`X-Session-Id` header, else by the API key (`Authorization: Bearer ...`). How calls of a
+session become rollouts: `gateway.sessions`. Wire format: `gateway.openai_format`.
+"""
+
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+from SimpleTorchLLMRL.chat.message import Message, Rollout
+from SimpleTorchLLMRL.chat.tokenize import encode_prompt
+from SimpleTorchLLMRL.gateway.batcher import Batcher, Job
+from SimpleTorchLLMRL.gateway.openai_format import (
+    FINISH,
+    ChatRequest,
+    RequestError,
+    bad,
+    completion_payload,
+    logprobs_payload,
+    new_id,
+    parse_request,
+    reply_view,
+    stream_payloads,
+)
+from SimpleTorchLLMRL.gateway.sessions import SessionStore, options_of, shown_view
+
+ANONYMOUS = "default"
+
+
+def _fastapi():
+    try:
+        import fastapi
+        import uvicorn
+    except ImportError as e:
+        raise ImportError("the gateway needs FastAPI and uvicorn: pip install 'SimpleTorchLLMRL[gateway]'") from e
+    return fastapi, uvicorn
+
+
+def session_name(headers) -> str:
+    """X-Session-Id, else the bearer API key, else "default"."""
+    explicit = headers.get("x-session-id")
+    if explicit:
+        return explicit
+    auth = headers.get("authorization") or ""
+    key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    return key or ANONYMOUS
+
+
+class Gateway:
+    """An OpenAI-compatible server over `generator` that records each session's calls as rollouts.
+
+    generator: a `ModelGenerate`; its sampling options are the defaults a request may override
+    (temperature, top_p, max_tokens, stop; its stop strings and tool-call stops always apply).
+    model_name: the `model` clients ask for (others get 404). record_to: a .jsonl file that
+    receives every rollout once it is final (`RolloutWriter`). window / max_batch: requests
+    arriving within `window` seconds are generated as one batch of at most `max_batch`.
+    tool_parsers: how tool calls are read from sampled text (default: Hermes / Qwen `<tool_call>`
+    JSON, `tools.parsers.JsonToolCallParser`).
+    """
+
+    def __init__(self, generator, *, model_name: str = "policy", record_to=None, window: float = 0.02,
+                 max_batch: int = 64, tool_parsers: Sequence | None = None):
+        self.generator, self.model_name = generator, model_name
+        self.tool_parsers = tool_parsers
+        self.store = SessionStore()
+        self.batcher = Batcher(generator, window, max_batch)
+        self._writer = None
+        if record_to is not None:
+            from SimpleTorchLLMRL.chat.rollout_io import RolloutWriter
+
+            self._writer = RolloutWriter(record_to)
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # ------------------------------------------------------------------ the Python API
+
+    def sessions(self) -> list[str]:
+        """Names of the sessions that made at least one call."""
+        return self.store.names()
+
+    def rollouts(self, session: str) -> list[Rollout]:
+        """Every rollout of the session (copies): finished ones, then one per reply of its last call."""
+        return self.store.rollouts(session)
+
+    def clear(self, session: str) -> list[Rollout]:
+        """Forget the session; returns its rollouts (the ones not yet final are written to `record_to` now)."""
+        s = self.store.pop(session)
+        if s is None:
+            return []
+        self._write(s.open_rollouts())
+        return s.rollouts()
+
+    def close(self) -> None:
+        """Write the rollouts not yet final of every session to `record_to` and close the file."""
+        self._write([r for s in self.store.pop_all() for r in s.open_rollouts()])
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _write(self, rollouts: list[Rollout]) -> None:
+        if self._writer is not None and rollouts:
+            self._writer.write(rollouts)
+
+    @contextlib.contextmanager
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+        """Run the server in a background thread; yields the `.../v1` base URL (port 0: a free port)."""
+        _, uvicorn = _fastapi()
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(self.app(), log_level="warning", lifespan="on"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="gateway")
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                sock.close()
+                raise RuntimeError(f"the gateway did not start on {host}:{port}")
+            time.sleep(0.01)
+        try:
+            yield f"http://{host}:{port}/v1"
+        finally:
+            server.should_exit = True
+            thread.join(timeout=30)
+            sock.close()
+
+    # ------------------------------------------------------------------ the HTTP app
+
+    def app(self):
+        """The FastAPI application (serve it with any ASGI server)."""
+        fastapi, _ = _fastapi()
+        from fastapi.responses import JSONResponse, StreamingResponse
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_app):
+            self.batcher.start()
+            yield
+            await self.batcher.stop()
+
+        app = fastapi.FastAPI(lifespan=lifespan)
+
+        def error(e: RequestError) -> JSONResponse:
+            return JSONResponse(e.body(), status_code=e.status)
+
+        @app.exception_handler(Exception)
+        async def unexpected(_request, exc: Exception):  # the server keeps serving
+            return error(RequestError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok"}
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                                "owned_by": "SimpleTorchLLMRL"}]}
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: fastapi.Request):
+            try:
+                raw = await request.body()
+                try:
+                    body = json.loads(raw)
+                except (ValueError, UnicodeDecodeError) as e:
+                    raise bad(f"the request body is not valid JSON: {e}") from e
+                req = parse_request(body, self.model_name, self.generator.config)
+                payload = await self._complete(session_name(request.headers), req, request)
+            except RequestError as e:
+                return error(e)
+            if payload is None:  # the client left before its answer was ready: nothing recorded
+                return JSONResponse({}, status_code=499)
+            if not req.stream:
+                return JSONResponse(payload)
+            chunks = stream_payloads(payload, req.include_usage)
+
+            async def events():
+                for c in chunks:
+                    yield f"data: {json.dumps(c)}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        return app
+
+    # ------------------------------------------------------------------ one call
+
+    async def _complete(self, name: str, req: ChatRequest, request) -> dict | None:
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        async with lock:  # a session's calls run in order: each one merges onto the previous
+            session = self.store.get(name)
+            plan = session.plan(req)
+            prompt_ids = await asyncio.to_thread(self._prompt_ids, plan.prompt, req)
+            try:
+                replies = await self.batcher.submit(Job(plan.prompt, req.sampling, req.n, req.seed))
+            except ValueError as e:
+                raise bad(str(e)) from e
+            if await request.is_disconnected():
+                return None
+            choices, shown = [], []
+            for i, msg in enumerate(replies):
+                content, calls = reply_view(msg.content, req.tools, self.tool_parsers)
+                shown.append(shown_view(content, calls))
+                choices.append(await self._choice(i, msg, content, calls, prompt_ids, req))
+            session.record(plan, replies, shown, options_of(req))
+            self._write(plan.closed)
+            return completion_payload(new_id(), self.model_name, choices, prompt_ids, req.return_token_ids)
+
+    def _prompt_ids(self, prompt: Rollout, req: ChatRequest) -> list[int]:
+        """The ids the model will be conditioned on (as-sampled encoder); 400 when they do not fit."""
+        try:
+            ids = encode_prompt(prompt, self.generator.tokenizer)
+        except ValueError as e:
+            raise bad(f"the messages cannot be encoded for this model: {e}", "messages") from e
+        ctx = self.generator.max_context
+        if ctx is not None and len(ids) + req.sampling.max_new_tokens > ctx:
+            raise bad(f"this model's context is {ctx} tokens; the messages are {len(ids)} tokens and max_tokens is "
+                      f"{req.sampling.max_new_tokens}: shorten the messages or lower max_tokens",
+                      "messages", "context_length_exceeded")
+        if req.top_logprobs and not hasattr(self.generator.backend, "model"):
+            raise bad("top_logprobs needs the HF backend (this gateway runs vLLM); use logprobs without it",
+                      "top_logprobs")
+        return ids
+
+    async def _choice(self, i: int, msg: Message, content, calls, prompt_ids, req: ChatRequest) -> dict:
+        finish = "tool_calls" if calls else FINISH[msg.finish_reason or "stop"]
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        out = {"index": i, "message": message, "finish_reason": finish, "logprobs": None,
+               "token_ids": list(msg.token_ids)}
+        if req.logprobs:
+            top = None
+            if req.top_logprobs:
+                top = await asyncio.to_thread(top_logprobs, self.generator, prompt_ids, msg, req.top_logprobs)
+            out["logprobs"] = logprobs_payload(self.generator.tokenizer, msg.token_ids, msg.logprobs, top)
+        return out
+
+
+def top_logprobs(generator, prompt_ids: list[int], msg: Message, k: int) -> list[list[tuple[int, float]]]:
+    """The k most likely ids and their log-probs at each sampled position, under the same temperature
+    as the recorded log-probs: one forward of the HF model over prompt + reply."""
+    import torch
+
+    model = generator.backend.model
+    ids = torch.tensor([list(prompt_ids) + list(msg.token_ids)], device=next(model.parameters()).device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1: -1].float()  # (N, V)
+    logp = torch.log_softmax(logits / (msg.temperature or 1.0), dim=-1)
+    values, index = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    return [list(zip(r.tolist(), v.tolist(), strict=True)) for r, v in zip(index, values, strict=True)]
