@@ -19,7 +19,7 @@ that measure them):
 - isolation="process" (the fallback, with a warning, where namespaces are unavailable):
   resource limits per process, the process group and (as root) the run's fresh uid killed
   afterwards; weaker: see docs/sandbox.md.
-- Always: the code arrives as an unnamed 0600 file on stdin (never in argv), `python -I`, a
+- Always: the code arrives on stdin as a sealed read-only memfd (never in argv, not on the host disk), `python -I`, a
   scrubbed environment, rlimits (CPU, address space, file size, processes, open files, no
   core), a fresh session keyring, no_new_privs, Landlock where the kernel has it (writes
   only in the working directory, no TCP, no signals out), a wall-clock timeout, output read

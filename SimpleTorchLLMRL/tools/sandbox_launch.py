@@ -1,7 +1,7 @@
 """The sandbox launcher: PythonSandbox runs `python -I -S sandbox_launch.py KEY=VALUE ...` with the code on stdin.
 
 Standard library only; linux.py and landlock.py are loaded from this directory by path.
-Its arguments carry no secrets (the code arrives as an unnamed 0600 file on stdin).
+Its arguments carry no secrets (the code arrives on stdin as a sealed, read-only memfd).
 
 isolation=namespaces, three stages:
   A  (the caller's child, in the caller's PID namespace): new mount, PID, IPC, UTS and network

@@ -13,6 +13,7 @@ Nothing here raises for what the program does; `finish` never waits longer than
 
 from __future__ import annotations
 
+import fcntl
 import os
 import selectors
 import signal
@@ -132,10 +133,8 @@ def start(spec: Spec) -> Launch:
     try:
         if spec.uid is not None and spec.isolation == "process":
             os.chown(workdir, spec.uid, spec.gid)
-        code_file = tempfile.TemporaryFile()  # unnamed, 0600: the code never appears in argv or on a path
+        code_file = read_only_code(spec.code.encode("utf-8", "surrogatepass"))
         with code_file:
-            code_file.write(spec.code.encode("utf-8", "surrogatepass"))
-            code_file.seek(0)
             control_r, control_w = os.pipe()
             opened += [control_r, control_w]
             pipes, report_r = None, None
@@ -166,6 +165,28 @@ def start(spec: Spec) -> Launch:
             cgroup.remove()
         remove_tree(workdir)
         raise
+
+
+def read_only_code(code: bytes):
+    """The program as a read-only file object for the run's stdin: a sealed memfd (in memory, not on the host's
+    disk; no write, grow or shrink, even through a reopened /proc/self/fd/0), else an unnamed 0600 temp file."""
+    seals = ("F_ADD_SEALS", "F_SEAL_WRITE", "F_SEAL_GROW", "F_SEAL_SHRINK", "F_SEAL_SEAL")
+    if hasattr(os, "memfd_create") and all(hasattr(fcntl, n) for n in seals):
+        fd = os.memfd_create("code", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            view = memoryview(code)
+            while view:
+                view = view[os.write(fd, view):]
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+            ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        finally:
+            os.close(fd)
+        return os.fdopen(ro, "rb")
+    f = tempfile.TemporaryFile()  # unnamed, 0600: the code never appears in argv or on a path
+    f.write(code)
+    f.seek(0)
+    return f
 
 
 # ---- watch ---------------------------------------------------------------------------------------------------
