@@ -11,7 +11,10 @@ and template kwargs) and answers what the encoder asks of it:
   generation prompt through its end-of-turn); for other roles, the content;
 - `continuation`: the text that follows a sampled assistant turn: the rest of
   that turn's closing the model did not sample, the template's rendering of the
-  next messages on their own, and the generation prompt.
+  next messages on their own, and the generation prompt;
+- `check_rendered`: that no TOOL message is dropped (Phi-3.5's template renders
+  only system, user and assistant turns), found by rendering each TOOL message
+  with a marker of its own for content, not by searching for its text.
 
 Spans are (message index, start, end) character offsets [start, end) into one
 rendered string. Every "cannot" raises a ValueError naming the cause and the fix.
@@ -29,6 +32,7 @@ import jinja2
 
 SENTINEL = "\u2063STLR\u2063SENTINEL\u2063"  # invisible separators: never trimmed, never in real text
 BASE_SENTINEL = "\u2063STLR\u2063BASE\u2063"  # the sampled turn's content in a continuation's base
+TOOL_SENTINEL = "\u2063STLR\u2063TOOL{}\u2063"  # message i's content while checking TOOL messages are rendered
 _BASE_USER = {"role": "user", "content": "Hi"}
 _MEMO_SIZE = 4096
 _TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError)
@@ -54,6 +58,11 @@ def _rendered(content: str, text: str) -> bool:
         return True
     core = content.strip()
     return core in text or json.dumps(core, ensure_ascii=False)[1:-1] in text or json.dumps(core)[1:-1] in text
+
+
+def _shows(text: str, marker: str) -> bool:
+    """Does `text` show `marker`, verbatim or JSON-escaped (templates that `tojson` tool results)?"""
+    return marker in text or json.dumps(marker)[1:-1] in text
 
 
 def _tool_names(message: dict) -> list[str]:
@@ -270,17 +279,31 @@ class ChatTemplate:
             return start, end
         raise ValueError(self._rewritten(chat, i))
 
-    def check_rendered(self, chat: list[dict], text: str) -> None:
-        """A TOOL message the template drops would leave the model answering a result it never saw."""
-        for i, m in enumerate(chat):
-            if m["role"] == "tool" and not _rendered(m["content"], text):
-                raise ValueError(self._dropped(chat, i))
+    def check_rendered(self, chat: list[dict], text: str, generation_prompt: bool = False, offset: int = 0) -> None:
+        """A TOOL message the template drops would leave the model answering a result it never saw.
 
-    def _dropped(self, chat, i) -> str:
-        role = chat[i]["role"]
+        `text` = render(chat, generation_prompt). Each TOOL message's content is replaced by a marker of
+        its own and the conversation rendered again: a missing marker is a dropped message, whatever its
+        text (empty, or also written elsewhere in the conversation). chat[i] is message i + offset of
+        the rollout (errors name that). If the template rejects the markers, the content is searched for.
+        """
+        tools = [i for i, m in enumerate(chat) if m["role"] == "tool"]
+        if not tools:
+            return
+        probe = self._try_render([dict(m, content=TOOL_SENTINEL.format(i)) if i in tools else m
+                                  for i, m in enumerate(chat)], generation_prompt)
+        for i in tools:
+            shown = _shows(probe, TOOL_SENTINEL.format(i)) if probe is not None else _rendered(chat[i]["content"], text)
+            if not shown:
+                raise ValueError(self._dropped(chat, i, i + offset))
+
+    def _dropped(self, chat, i, number: int | None = None) -> str:
+        """Why message i (message `number` of the rollout, default i) is not where it can be found."""
+        role, number = chat[i]["role"], i if number is None else number
         if role == "tool":
-            return (f"message {i} (tool): the chat template drops TOOL messages (or their content), so the model "
-                    "never sees the tool result; use a template with a tool role or send results as user messages")
+            return (f"message {number} (tool): the chat template drops TOOL messages (or their content), so the "
+                    "model would never see this tool result and the encoded ids would silently lack it; use a "
+                    "template with a tool role, or send tool results as user messages (MessageType.MESSAGE)")
         if role == "system":
             return (f"message {i} (system): the chat template does not render the system prompt as a message of "
                     "its own here; do not train it (trainable=False) or put it in the first user message")
@@ -316,7 +339,7 @@ class ChatTemplate:
         return None
 
     def continuation(self, previous: dict, block: list[dict], generation_prompt: bool, ended: bool,
-                     trainable: list[int]) -> tuple[str, list[tuple[int, int, int]]]:
+                     trainable: list[int], first: int = 0) -> tuple[str, list[tuple[int, int, int]]]:
         """Text after a sampled assistant turn: its unsampled closing, `block` rendered alone, the prompt.
 
         The template's own rendering of just the new messages: a fixed conversation
@@ -324,10 +347,11 @@ class ChatTemplate:
         without `block`; the text after the sampled turn's end-of-turn token is theirs.
         ended: the sampled ids end with a turn-ending token (then only what follows it is
         added); otherwise the template's end-of-turn is added too. Returns the text and
-        the spans of the block's trainable messages (indices into `block`) in it.
+        the spans of the block's trainable messages (indices into `block`) in it. first: the rollout
+        index of block[0], for error messages.
         """
         if self.tools is not None:  # tool definitions belong to the first prompt, not to later turns
-            return self.without_tools().continuation(previous, block, generation_prompt, ended, trainable)
+            return self.without_tools().continuation(previous, block, generation_prompt, ended, trainable, first)
         base = [_BASE_USER, dict(previous, content=BASE_SENTINEL)]
         full = self.render(base + block, generation_prompt)
         after = self._end_of_content(full)
@@ -343,7 +367,7 @@ class ChatTemplate:
         else:
             cut = after if not full[after: eot[0]].strip() else eot[0]
         text = full[cut:]
-        self.check_rendered(block, text)
+        self.check_rendered(base + block, full, generation_prompt, first - len(base))
         spans = [(j - 2, a - cut, b - cut) for j, a, b in
                  self.spans(base + block, [2 + k for k in trainable], full, generation_prompt)]
         if any(a < 0 for _, a, _ in spans):

@@ -18,7 +18,12 @@ Two ways a rollout becomes tokens, both token-exact on real tokenizers:
   covers what the model produces for it: from the end of the generation prompt
   through its end-of-turn token (content, tool-call text, end-of-turn); masks
   come from the tokenizer's character offsets and a token that straddles a
-  trained span and non-whitespace template text raises.
+  trained span and non-whitespace template text raises, as does one that merges
+  template text with a message's leading or trailing whitespace (Qwen's header
+  "\n" and a reply starting "\n\n" become one "\n\n\n" token).
+
+Either way a TOOL message the template drops (its content replaced by a marker
+of its own is not in the rendering) raises, naming the message.
 
 Without a chat template (GPT-2 style) the messages' texts are concatenated;
 a MODEL turn without sampled ids ends with the EOS token (trained).
@@ -173,11 +178,12 @@ def _plan(rollout: Rollout, tokenizer, for_prompt: bool) -> list:
         trainable = [] if for_prompt else [j for j in range(start, s) if rollout[j].is_trainable]
         if prev is None and (s > 0 or gen):
             text = ct.render(chat[:s], gen)
-            ct.check_rendered(chat[:s], text)
+            ct.check_rendered(chat[:s], text, gen)
             plan.append(_Text(text, 0, tuple(ct.spans(chat[:s], trainable, text, gen))))
         elif prev is not None and (s > start or gen):
             ended = bool(rollout[prev].token_ids) and rollout[prev].token_ids[-1] in ct.turn_end_ids
-            text, spans = ct.continuation(chat[prev], chat[start:s], gen, ended, [j - start for j in trainable])
+            text, spans = ct.continuation(chat[prev], chat[start:s], gen, ended, [j - start for j in trainable],
+                                          start)
             anchor = ct.anchor
             plan.append(_Text(anchor + text, len(anchor),
                               tuple((start + j, a + len(anchor), b + len(anchor)) for j, a, b in spans)))
@@ -215,6 +221,29 @@ def _encode_texts(tokenizer, texts: list[str]) -> dict:
     return dict(zip(unique, ids, strict=True))
 
 
+def _straddle(text: str, s: int, e: int, i: int, a: int, b: int) -> str | None:
+    """Why the token at [s, e) cannot be trained as part of message i's span [a, b); None if it can.
+
+    Template whitespace may ride on the message's first or last word (SentencePiece's '▁The' after
+    '[/INST] '). A token whose share of the span is only whitespace merges template text with the
+    message's leading or trailing whitespace (Qwen's header '\n' + content '\n\n' = one '\n\n\n'):
+    training it would train template text, and leaving it out would drop the message's text.
+    """
+    outside = text[s:a] + text[b:e]
+    where = f"(in {text[max(0, s - 20): e + 20]!r})"
+    if outside.strip():
+        return (f"the token covering {text[s:e]!r} spans both message {i}'s trained text and other text {where}, "
+                "so its loss mask cannot be exact")
+    inside = text[max(s, a): min(e, b)]
+    if not outside or inside.strip():
+        return None
+    edge = "leading" if s < a else "trailing"
+    return (f"message {i}: the tokenizer merges the chat template's text {outside!r} with the message's {edge} "
+            f"whitespace {inside!r} into one token {text[s:e]!r} {where}, so no loss mask covers exactly the "
+            f"message's tokens; strip the {edge} whitespace from the message, or train the turn as sampled "
+            "(`as_sampled(rollout, tokenizer)`, or token_ids on the message)")
+
+
 def _owners(piece: _Text, offsets: list[tuple[int, int]]) -> list[int]:
     """Per token: the message index of the trained span it falls in, -1 outside; raises on a straddling token."""
     text, out = piece.text, []
@@ -222,10 +251,10 @@ def _owners(piece: _Text, offsets: list[tuple[int, int]]) -> list[int]:
         owner = -1
         for i, a, b in piece.spans:
             if s < b and e > a:
-                if owner >= 0 or text[s:a].strip() or text[b:e].strip():
-                    raise ValueError(
-                        f"the token covering {text[s:e]!r} spans both message {i}'s trained text and other text "
-                        f"(in {text[max(0, s - 20): e + 20]!r}), so its loss mask cannot be exact")
+                why = (f"the token covering {text[s:e]!r} spans both message {owner}'s and message {i}'s trained "
+                       "text, so its loss mask cannot be exact") if owner >= 0 else _straddle(text, s, e, i, a, b)
+                if why:
+                    raise ValueError(why)
                 owner = i
         out.append(owner)
     return out
