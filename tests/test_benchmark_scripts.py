@@ -26,7 +26,7 @@ def test_gpu_side_by_side_without_cuda_says_so_and_exits_0(tmp_path):
 
 def test_liger_variant_needs_cuda():
     p = _run("--variants", "ours", "trl_liger")
-    assert p.returncode == 2 and "trl_liger needs --device cuda" in p.stderr
+    assert p.returncode == 2 and "trl_liger and ours_liger need --device cuda" in p.stderr
 
 
 def test_gpu_check_without_cuda_says_so_and_exits_0(tmp_path):

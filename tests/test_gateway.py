@@ -387,3 +387,68 @@ def test_a_sampled_message_round_trip_keeps_its_fields(served):
     [turn] = sampled(gw.rollouts("fields-1")[0])
     assert isinstance(turn, Message) and turn.temperature == pytest.approx(0.7)
     assert turn.finish_reason in ("stop", "length", "tool_call") and len(turn.logprobs) == len(turn.token_ids)
+
+
+def test_the_command_line_serves_and_writes_its_sessions_on_sigterm(tmp_path):
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    record = tmp_path / "cli.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "SimpleTorchLLMRL.gateway", "--model", str(TINY_CALC), "--port",
+                             str(port), "--record-to", str(record), "--max-new-tokens", "8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    try:
+        line = proc.stdout.readline()
+        while line and "serving" not in line:
+            line = proc.stdout.readline()
+        assert f"127.0.0.1:{port}/v1" in line, line
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="cli-1")
+        assert client.models.list().data[0].id == "policy"
+        r = client.chat.completions.create(model="policy", messages=start(), extra_body={"return_token_ids": True})
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    [saved] = load_rollouts(record)
+    assert sampled(saved)[0].token_ids == r.choices[0].model_extra["token_ids"]
+
+
+def test_the_agents_sdk_example_records_its_episodes():
+    pytest.importorskip("agents")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "gateway_agents_sdk.py"
+    spec = importlib.util.spec_from_file_location("gateway_agents_sdk", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    rollouts = example.main()
+    assert {r.metadata["session"] for r in rollouts} == {"agents-0", "agents-1", "agents-2"}
+    tok = AutoTokenizer.from_pretrained(TINY_CALC)
+    for r in rollouts:
+        enc = encode_rollout(r, tok)
+        trained = [t for t, k in zip(enc.input_ids, enc.loss_mask, strict=True) if k]
+        assert trained and trained == [t for m in sampled(r) for t in m.token_ids]
+
+
+def test_the_training_example_runs_and_its_reward_rises():
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, str(root / "examples" / "gateway_agent.py")], capture_output=True,
+                       text=True, timeout=600, cwd=root)
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = re.search(r"first \d+ steps ([\d.]+), last \d+ steps ([\d.]+)", p.stdout)
+    assert m, p.stdout[-2000:]
+    assert float(m.group(2)) > float(m.group(1)) + 0.1, p.stdout
