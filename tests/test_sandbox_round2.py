@@ -3,6 +3,12 @@
 Before, the code reached the run as an unnamed temp file on the host's disk, open read-write on fd 0:
 a run could write to it and grow it outside its working directory (bounded only by file_size_mb)."""
 
+import os
+import threading
+import time
+
+import pytest
+
 from SimpleTorchLLMRL.tools.sandbox import PythonSandbox
 
 PROBE = r'''
@@ -36,3 +42,57 @@ def test_code_still_runs_from_the_sealed_file():
     big = "x = 0\n" + "x += 1\n" * 12000 + "print(x)\n"  # 84 kB: more than a pipe buffer holds
     assert box.run(big).stdout.strip() == "12000"
     assert box.run("print('é' + chr(0x1F600))").stdout.strip() == "é" + chr(0x1F600)
+
+
+HOLD_16 = r'''
+import os, time
+kids = []
+for _ in range(15):  # with this process: 16, the run's max_processes
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(2)
+        os._exit(0)
+    kids.append(pid)
+for pid in kids:
+    os.waitpid(pid, 0)
+print("held")
+'''
+FORK_ONCE = r'''
+import os
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+print("forked")
+'''
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="run_as drops to a uid only when started as root")
+def test_runs_that_share_a_fixed_uid_do_not_take_each_others_processes():
+    """Before, with run_as fixed, a run holding its 16 processes made a concurrent run's first fork fail
+    (BlockingIOError: RLIMIT_NPROC counts the uid's processes). Now such runs take turns."""
+    box = PythonSandbox(timeout=20, run_as=43210, max_processes=16)
+    out = {}
+    first = threading.Thread(target=lambda: out.__setitem__("hold", box.run(HOLD_16)))
+    first.start()
+    time.sleep(0.5)
+    out["fork"] = box.run(FORK_ONCE)
+    first.join()
+    assert out["hold"].stdout.strip() == "held", out["hold"].stderr
+    assert out["fork"].stdout.strip() == "forked", out["fork"].stderr
+    assert out["fork"].seconds < 20
+
+
+def test_runs_with_fresh_uids_still_run_at_once():
+    """Only shared uids take turns: two "auto" runs (fresh uids as root) overlap in time."""
+    box = PythonSandbox(timeout=20)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(box.run("import time; time.sleep(2)")))
+               for _ in range(2)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 2 and all(r.ok for r in results)
+    assert time.monotonic() - t0 < 3.5  # taking turns would need over 4 s

@@ -30,6 +30,8 @@ that measure them):
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import math
 import os
@@ -38,6 +40,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -108,7 +111,8 @@ class PythonSandbox:
     max_processes:    processes and threads of the run (RLIMIT_NPROC of its uid; as root also a cgroup)
     max_open_files:   RLIMIT_NOFILE
     max_output_bytes: bytes kept of stdout and of stderr each
-    run_as:           "auto" (as root: a fresh unprivileged uid per run), a uid, or None (never drop)
+    run_as:           "auto" (as root: a fresh unprivileged uid per run), a uid, or None (never drop); runs
+                      that share a uid (a fixed one) run one at a time on this machine
     python:           the interpreter (default sys.executable, made visible to the run read-only; when the
                       run's uid still cannot start it, the first usable system python3, with a warning)
     confine_writes:   use Landlock, where available, to allow writes only in the working directory
@@ -183,6 +187,14 @@ class PythonSandbox:
             return wanted
         return _usable_interpreter(self, wanted)
 
+    def _shared_uid(self) -> int | None:
+        """The uid runs of this sandbox share (a fixed run_as, or nobody when fresh uids do not work), else None."""
+        if self.run_as is None or os.geteuid() != 0:
+            return None
+        if self.run_as == "auto":
+            return None if _fresh_uids_work() else _NOBODY
+        return self.run_as
+
     # ---- running --------------------------------------------------------------------------------------
     def run(self, code: str, *, secret: bytes | None = None) -> SandboxResult:
         """Run `code` under the limits; never raises for anything the code does.
@@ -199,7 +211,8 @@ class PythonSandbox:
             return SandboxResult("", "", None, error=f"the code {why}", timeout=self.timeout)
         began = time.monotonic()
         try:
-            return self._run(code, self.interpreter(), secret)
+            with _one_run_per_uid(self._shared_uid()):
+                return self._run(code, self.interpreter(), secret)
         except Exception as e:  # a failure of the sandbox itself: reported to the caller, never raised
             return SandboxResult("", "", None, error=f"sandbox failure: {type(e).__name__}: {e}",
                                  seconds=time.monotonic() - began, timeout=self.timeout)
@@ -245,6 +258,30 @@ class PythonSandbox:
 
 _probe_lock = threading.Lock()
 _probe_cache: dict[tuple, str] = {}
+
+
+_UID_LOCKS: dict[int, threading.Lock] = {}
+_UID_LOCKS_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def _one_run_per_uid(uid: int | None):
+    """Runs that share a uid run one at a time (threads of this process, and other processes on this machine
+    through a root-only lock file the runs cannot see): a uid's process limit and keyring are per uid, so
+    concurrent runs would take each other's processes or read each other's keys."""
+    if uid is None:
+        yield
+        return
+    with _UID_LOCKS_GUARD:
+        lock = _UID_LOCKS.setdefault(uid, threading.Lock())
+    with lock:
+        path = os.path.join(tempfile.gettempdir(), f".simpletorchllmrl-sandbox-uid-{uid}.lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
 
 @functools.lru_cache(maxsize=1)
