@@ -96,3 +96,40 @@ def test_runs_with_fresh_uids_still_run_at_once():
         t.join()
     assert len(results) == 2 and all(r.ok for r in results)
     assert time.monotonic() - t0 < 3.5  # taking turns would need over 4 s
+
+
+LOCK_VENV = r'''
+import fcntl, os, sys, time
+fd = os.open(os.path.join(sys.prefix, ".lock"), os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(3)
+'''
+
+
+def test_a_run_cannot_lock_the_hosts_venv_lock_file():
+    """Before, a run could flock the venv's `.lock` (bound read-only, opened O_RDONLY): the host's `uv run`
+    then waited for the run's whole timeout. Now the run locks an empty file of its own in its place."""
+    import fcntl
+    import sys
+
+    lock = os.path.join(sys.prefix, ".lock")
+    if not os.path.isfile(lock):
+        pytest.skip("this interpreter's prefix has no .lock file (not a uv venv)")
+    box = PythonSandbox(timeout=10)
+    done = {}
+    run = threading.Thread(target=lambda: done.__setitem__("r", box.run(LOCK_VENV)))
+    run.start()
+    time.sleep(1.5)  # the run has started and holds its lock for 3 s
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the host's lock is free
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        taken = True
+    except BlockingIOError:
+        taken = False
+    finally:
+        os.close(fd)
+        run.join()
+    assert done["r"].stdout.strip() == "locked", done["r"].stderr
+    assert taken, "the run held the host's .venv/.lock"

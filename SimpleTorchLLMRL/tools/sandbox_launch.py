@@ -133,6 +133,19 @@ def _confine_and_exec(cfg, control):
 _DEVICES = ("null", "zero", "full", "random", "urandom")
 
 
+_LOCK_FILES = (".lock",)  # uv's venv lock: `uv run` on the host waits while anyone holds it
+
+
+def _mask_lock_files(root: str, path: str, target: str) -> None:
+    """Cover the exposed directory's lock files with empty files of the run's own tmpfs: a lock a run takes
+    there locks its copy, never the host's (a run could otherwise hold the host's `uv run` for its timeout)."""
+    for name in _LOCK_FILES:
+        if os.path.isfile(os.path.join(path, name)) and not os.path.islink(os.path.join(path, name)):
+            blank = f"{root}/.stlr-blank-{len(os.listdir(root))}"
+            open(blank, "a").close()
+            linux.mount(blank, os.path.join(target, name), None, linux.MS_BIND)
+
+
 def _build_root(cfg):
     """Mount the run's file system view on `root` (an empty directory) and pivot into it."""
     root, workdir = _one(cfg, "root"), _one(cfg, "workdir")
@@ -145,6 +158,7 @@ def _build_root(cfg):
         elif os.path.isdir(path):
             os.makedirs(target, exist_ok=True)
             linux.bind_readonly(path, target)
+            _mask_lock_files(root, path, target)
         elif os.path.exists(path):
             open(target, "a").close()
             linux.bind_readonly(path, target)
