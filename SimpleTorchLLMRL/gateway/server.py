@@ -97,6 +97,7 @@ class Gateway:
     def clear(self, session: str) -> list[Rollout]:
         """Forget the session; returns its rollouts (the ones not yet final are written to `record_to` now)."""
         s = self.store.pop(session)
+        self._locks.pop(session, None)
         if s is None:
             return []
         self._write(s.open_rollouts())
@@ -214,7 +215,7 @@ class Gateway:
                 content, calls = reply_view(msg.content, req.tools, self.tool_parsers)
                 shown.append(shown_view(content, calls))
                 choices.append(await self._choice(i, msg, content, calls, prompt_ids, req))
-            session.record(plan, replies, shown, options_of(req))
+            self.store.record(session, plan, replies, shown, options_of(req))
             self._write(plan.closed)
             return completion_payload(new_id(), self.model_name, choices, prompt_ids, req.return_token_ids)
 

@@ -119,6 +119,11 @@ class SessionStore:
         with self._lock:
             return self._sessions.setdefault(name, Session(name))
 
+    def record(self, session: Session, plan: Plan, replies: list[Message], shown: list[tuple], options: str) -> None:
+        """`session.record` under the store's lock, so a reader never sees half a call."""
+        with self._lock:
+            session.record(plan, replies, shown, options)
+
     def names(self) -> list[str]:
         with self._lock:
             return [n for n, s in self._sessions.items() if s.calls]
