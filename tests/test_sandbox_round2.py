@@ -133,3 +133,90 @@ def test_a_run_cannot_lock_the_hosts_venv_lock_file():
         run.join()
     assert done["r"].stdout.strip() == "locked", done["r"].stderr
     assert taken, "the run held the host's .venv/.lock"
+
+
+KEYS = r'''
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+machine = os.uname().machine
+add_key = {"x86_64": 248, "aarch64": 217}.get(machine, 248)
+r = libc.syscall(add_key, b"user", b"stlr-probe", b"secret", 6, ctypes.c_int(-3))  # KEY_SPEC_USER_KEYRING
+print("uid", os.getuid())
+print("add_key", r, ctypes.get_errno())
+'''
+
+
+def _seccomp_machine() -> bool:
+    from SimpleTorchLLMRL.tools.linux import seccomp_program
+
+    return seccomp_program(os.uname().machine) is not None
+
+
+@pytest.mark.skipif(not _seccomp_machine(), reason="the seccomp filter lists x86_64 and aarch64 syscall numbers")
+def test_no_kernel_key_outlives_a_run():
+    """Before, a run could add keys to its uid's user keyring: they stayed in kernel memory after it (and
+    /proc/key-users listed the run's uid), and two runs with the same uid could pass data through them.
+    Now the keyring syscalls fail with ENOSYS, as in a kernel without keys."""
+    result = PythonSandbox(timeout=10).run(KEYS)
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    assert lines["add_key"].split() == ["-1", "38"], result.stdout + result.stderr
+    if os.geteuid() == 0 and os.path.exists("/proc/key-users"):
+        users = {line.split(":")[0].strip() for line in open("/proc/key-users")}
+        assert lines["uid"] not in users or lines["uid"] == "0"
+
+
+SOCKETS = r'''
+import socket
+for fam in ("AF_VSOCK", "AF_NETLINK", "AF_PACKET", "AF_ALG", "AF_UNIX", "AF_INET", "AF_INET6"):
+    if not hasattr(socket, fam):
+        continue
+    try:
+        socket.socket(getattr(socket, fam), socket.SOCK_DGRAM if fam != "AF_ALG" else socket.SOCK_SEQPACKET).close()
+        print(fam, "ok")
+    except OSError as e:
+        print(fam, e.errno)
+a, b = socket.socketpair()
+a.send(b"x")
+print("socketpair", b.recv(1).decode())
+'''
+
+
+@pytest.mark.skipif(not _seccomp_machine(), reason="the seccomp filter lists x86_64 and aarch64 syscall numbers")
+def test_only_unix_and_inet_sockets_can_be_made():
+    """Before, a run could make AF_VSOCK sockets, which ignore the network namespace (a port bound there
+    was taken on the host). Sockets are only made here, never bound or connected."""
+    result = PythonSandbox(timeout=10).run(SOCKETS)
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    for fam in ("AF_VSOCK", "AF_NETLINK", "AF_PACKET", "AF_ALG"):
+        if fam in lines:
+            assert lines[fam] == "97", result.stdout + result.stderr  # EAFNOSUPPORT
+    assert lines["AF_UNIX"] == lines["AF_INET"] == lines["AF_INET6"] == "ok", result.stdout + result.stderr
+    assert lines["socketpair"] == "x"
+
+
+def test_the_filter_program_decides_as_documented():
+    """The BPF program itself, interpreted here, on every machine."""
+    from SimpleTorchLLMRL.tools.linux import seccomp_program
+
+    prog = seccomp_program("x86_64")
+
+    def verdict(arch, nr, arg0):
+        pc, acc = 0, 0
+        while True:
+            code, jt, jf, k = prog[pc]
+            if code == 0x20:
+                acc, pc = {4: arch, 0: nr, 16: arg0}[k], pc + 1
+            elif code in (0x15, 0x35):
+                pc += 1 + (jt if (acc == k if code == 0x15 else acc >= k) else jf)
+            else:
+                return k
+
+    x86, allow = 0xC000003E, 0x7FFF0000
+    assert verdict(x86, 0, 0) == allow  # read
+    assert verdict(x86, 41, 1) == verdict(x86, 41, 2) == verdict(x86, 41, 10) == allow  # unix, inet, inet6
+    assert verdict(x86, 53, 1) == allow  # socketpair(AF_UNIX)
+    assert verdict(x86, 41, 40) == verdict(x86, 53, 40) == 0x50000 | 97  # AF_VSOCK: EAFNOSUPPORT
+    assert verdict(x86, 248, 0) == verdict(x86, 249, 0) == verdict(x86, 250, 0) == 0x50000 | 38  # keys: ENOSYS
+    assert verdict(x86, 0x40000000, 0) == 0x50000 | 38  # x32
+    assert verdict(0x40000003, 0, 0) == 0x50000 | 38  # i386
+    assert seccomp_program("riscv64") is None
