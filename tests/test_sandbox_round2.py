@@ -220,3 +220,13 @@ def test_the_filter_program_decides_as_documented():
     assert verdict(x86, 0x40000000, 0) == 0x50000 | 38  # x32
     assert verdict(0x40000003, 0, 0) == 0x50000 | 38  # i386
     assert seccomp_program("riscv64") is None
+
+
+def test_the_runs_init_shows_no_configuration_on_its_command_line():
+    """Before, /proc/1/cmdline of a run listed its host working directory, cgroup path, uid and every bind."""
+    probe = "print(open('/proc/1/cmdline').read().replace(chr(0), ' '))\nimport os\nprint(os.getuid())"
+    result = PythonSandbox(timeout=10).run(probe)
+    cmdline, uid = result.stdout.splitlines()[:2]
+    assert "config_fd=" in cmdline, result.stdout + result.stderr
+    for leak in ("root=", "workdir=", "cgroup=", "uid=", "expose=", "rlimit=", f"={uid}"):
+        assert leak not in cmdline, cmdline

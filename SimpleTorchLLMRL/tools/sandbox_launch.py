@@ -44,7 +44,18 @@ linux = _load("linux")
 landlock = _load("landlock")
 
 
+def _read_config(fd: int) -> list[str]:
+    """KEY=VALUE entries, NUL-separated, from the caller's pipe (the config never shows in /proc/PID/cmdline)."""
+    data = b""
+    while chunk := os.read(fd, 1 << 16):
+        data += chunk
+    os.close(fd)
+    return [a for a in data.decode("utf-8", "surrogateescape").split("\0") if a]
+
+
 def _config(argv):
+    if len(argv) == 1 and argv[0].startswith("config_fd="):
+        argv = _read_config(int(argv[0].partition("=")[2]))
     cfg = {}
     for arg in argv:
         key, _, value = arg.partition("=")

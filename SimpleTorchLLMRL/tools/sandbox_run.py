@@ -148,12 +148,19 @@ def start(spec: Spec) -> Launch:
                 pipes = (secret_r, report_w)
             if spec.isolation == "namespaces":
                 cgroup = RunCgroup.create(spec.memory_bytes, spec.max_processes + 1)  # + the run's init
-            args = _arguments(spec, workdir, control_w, pipes, cgroup)
+            config = "\0".join(_arguments(spec, workdir, control_w, pipes, cgroup)).encode("utf-8", "surrogateescape")
+            config_r, config_w = os.pipe()  # the configuration goes by pipe: the run's init shows no argv of it
+            opened += [config_r, config_w]
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", LAUNCHER, *args], stdin=code_file, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, pass_fds=(control_w, *(pipes or ())), close_fds=True, env={}, cwd="/",
-                start_new_session=True,
+                [sys.executable, "-I", "-S", LAUNCHER, f"config_fd={config_r}"], stdin=code_file,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(control_w, config_r, *(pipes or ())),
+                close_fds=True, env={}, cwd="/", start_new_session=True,
             )
+            os.close(config_r)
+            opened.remove(config_r)
+            _write_all(config_w, config)
+            os.close(config_w)
+            opened.remove(config_w)
         for fd in (control_w, *(pipes or ())):
             os.close(fd)
             opened.remove(fd)
@@ -167,6 +174,12 @@ def start(spec: Spec) -> Launch:
         raise
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def read_only_code(code: bytes):
     """The program as a read-only file object for the run's stdin: a sealed memfd (in memory, not on the host's
     disk; no write, grow or shrink, even through a reopened /proc/self/fd/0), else an unnamed 0600 temp file."""
@@ -174,9 +187,7 @@ def read_only_code(code: bytes):
     if hasattr(os, "memfd_create") and all(hasattr(fcntl, n) for n in seals):
         fd = os.memfd_create("code", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            view = memoryview(code)
-            while view:
-                view = view[os.write(fd, view):]
+            _write_all(fd, code)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
                         fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
             ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
