@@ -217,6 +217,7 @@ def test_the_filter_program_decides_as_documented():
     assert verdict(x86, 53, 1) == allow  # socketpair(AF_UNIX)
     assert verdict(x86, 41, 40) == verdict(x86, 53, 40) == 0x50000 | 97  # AF_VSOCK: EAFNOSUPPORT
     assert verdict(x86, 248, 0) == verdict(x86, 249, 0) == verdict(x86, 250, 0) == 0x50000 | 38  # keys: ENOSYS
+    assert verdict(x86, 253, 0) == verdict(x86, 294, 0) == 0x50000 | 38  # inotify_init(1): ENOSYS
     assert verdict(x86, 0x40000000, 0) == 0x50000 | 38  # x32
     assert verdict(0x40000003, 0, 0) == 0x50000 | 38  # i386
     assert seccomp_program("riscv64") is None
@@ -230,3 +231,18 @@ def test_the_runs_init_shows_no_configuration_on_its_command_line():
     assert "config_fd=" in cmdline, result.stdout + result.stderr
     for leak in ("root=", "workdir=", "cgroup=", "uid=", "expose=", "rlimit=", f"={uid}"):
         assert leak not in cmdline, cmdline
+
+
+INOTIFY = r'''
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init1(0)
+print(fd, ctypes.get_errno())
+'''
+
+
+@pytest.mark.skipif(not _seccomp_machine(), reason="the seccomp filter lists x86_64 and aarch64 syscall numbers")
+def test_a_run_cannot_watch_the_hosts_files_being_opened():
+    """Before, inotify on an exposed host file (the interpreter, site-packages) saw the host open it."""
+    result = PythonSandbox(timeout=10).run(INOTIFY)
+    assert result.stdout.split() == ["-1", "38"], result.stdout + result.stderr  # ENOSYS

@@ -9,7 +9,7 @@ in a fresh `python -I -S` process. Every call raises OSError (with errno) on fai
     pivot_root(".", ".")                   make the current directory the root
     join_fresh_session_keyring()           keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL)
     prctl(PR_SET_PDEATHSIG, 9)             and the other prctl options below
-    install_seccomp()                      no kernel keyring, no socket families beyond unix / inet
+    install_seccomp()                      no kernel keyring or inotify, no socket families beyond unix / inet
 """
 
 from __future__ import annotations
@@ -104,14 +104,16 @@ def prctl(option: int, value: int) -> None:
     _check(_libc.prctl(option, value, 0, 0, 0), f"prctl({option})")
 
 
-# ---- seccomp: refuse the kernel keyring and socket families beyond unix / inet --------------------------------
+# ---- seccomp: refuse the kernel keyring, inotify, and socket families beyond unix / inet ----------------------
 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
 _ENOSYS, _EAFNOSUPPORT = 38, 97
-# (AUDIT_ARCH, socket, socketpair, add_key, request_key, keyctl) by machine
-_SECCOMP_ARCH = {"x86_64": (0xC000003E, 41, 53, 248, 249, 250),
-                 "aarch64": (0xC00000B7, 198, 199, 217, 218, 219), "arm64": (0xC00000B7, 198, 199, 217, 218, 219)}
+# by machine: AUDIT_ARCH, socket and socketpair, then the syscalls refused with ENOSYS (add_key, request_key,
+# keyctl: the kernel keyring; inotify_init, inotify_init1: watching the host's files being opened)
+_SECCOMP_ARCH = {"x86_64": (0xC000003E, (41, 53), (248, 249, 250, 253, 294)),
+                 "aarch64": (0xC00000B7, (198, 199), (217, 218, 219, 26)),
+                 "arm64": (0xC00000B7, (198, 199), (217, 218, 219, 26))}
 _LD_W_ABS, _JEQ_K, _JGE_K, _RET_K = 0x20, 0x15, 0x35, 0x06
 _RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
 _X32_BIT = 0x40000000
@@ -125,36 +127,41 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
 
 
+def _assemble(lines: list) -> list[tuple[int, int, int, int]]:
+    """(code, true label, false label, k) and ("label", name) lines -> classic BPF with relative jumps."""
+    at, pc = {}, 0
+    for line in lines:
+        if line[0] == "label":
+            at[line[1]] = pc
+        else:
+            pc += 1
+    out: list[tuple[int, int, int, int]] = []
+    for line in lines:
+        if line[0] != "label":
+            code, jt, jf, k = line
+            jumps = [0 if t is None else at[t] - len(out) - 1 for t in (jt, jf)]
+            out.append((code, jumps[0], jumps[1], k))
+    return out
+
+
 def seccomp_program(machine: str) -> list[tuple[int, int, int, int]] | None:
-    """The classic-BPF filter as (code, jt, jf, k): add_key / request_key / keyctl fail with ENOSYS (as in a
-    kernel without keys), socket / socketpair of a family other than AF_UNIX, AF_INET, AF_INET6 with
-    EAFNOSUPPORT (AF_VSOCK ignores network namespaces), x32 syscalls with ENOSYS; all else is allowed.
-    None on machines whose syscall numbers are not listed."""
+    """The classic-BPF filter as (code, jt, jf, k): the kernel keyring syscalls and inotify fail with ENOSYS
+    (as in a kernel without them), socket / socketpair of a family other than AF_UNIX, AF_INET, AF_INET6
+    with EAFNOSUPPORT (AF_VSOCK ignores network namespaces), other ABIs (i386, x32) with ENOSYS; all else
+    is allowed. None on machines whose syscall numbers are not listed."""
     if machine not in _SECCOMP_ARCH:
         return None
-    arch, socket, socketpair, add_key, request_key, keyctl = _SECCOMP_ARCH[machine]
-    enosys, eafnosupport, allow = _RET_ERRNO | _ENOSYS, _RET_ERRNO | _EAFNOSUPPORT, _RET_ALLOW
-    return [
-        (_LD_W_ABS, 0, 0, 4),  # 0: seccomp_data.arch
-        (_JEQ_K, 1, 0, arch),  # 1: another ABI (e.g. i386 on x86_64) ...
-        (_RET_K, 0, 0, enosys),  # 2: ... is refused
-        (_LD_W_ABS, 0, 0, 0),  # 3: seccomp_data.nr
-        (_JGE_K, 13, 0, _X32_BIT if machine == "x86_64" else 0xFFFFFFFF),  # 4: x32 -> 18
-        (_JEQ_K, 12, 0, add_key),  # 5 -> 18
-        (_JEQ_K, 11, 0, request_key),  # 6 -> 18
-        (_JEQ_K, 10, 0, keyctl),  # 7 -> 18
-        (_JEQ_K, 1, 0, socket),  # 8 -> 10
-        (_JEQ_K, 0, 6, socketpair),  # 9: -> 10, else -> 16
-        (_LD_W_ABS, 0, 0, 16),  # 10: args[0] (low 32 bits): the family
-        (_JEQ_K, 4, 0, AF_UNIX),  # 11 -> 16
-        (_JEQ_K, 3, 0, AF_INET),  # 12 -> 16
-        (_JEQ_K, 2, 0, AF_INET6),  # 13 -> 16
-        (_RET_K, 0, 0, eafnosupport),  # 14
-        (_RET_K, 0, 0, eafnosupport),  # 15 (unused)
-        (_RET_K, 0, 0, allow),  # 16
-        (_RET_K, 0, 0, allow),  # 17 (unused)
-        (_RET_K, 0, 0, enosys),  # 18
-    ]
+    arch, sockets, refused = _SECCOMP_ARCH[machine]
+    x32 = _X32_BIT if machine == "x86_64" else 0xFFFFFFFF
+    lines = [(_LD_W_ABS, None, None, 4), (_JEQ_K, "native", "enosys", arch), ("label", "native"),
+             (_LD_W_ABS, None, None, 0), (_JGE_K, "enosys", None, x32)]
+    lines += [(_JEQ_K, "enosys", None, nr) for nr in refused]
+    lines += [(_JEQ_K, "family", None, nr) for nr in sockets]
+    lines += [(_RET_K, None, None, _RET_ALLOW), ("label", "family"), (_LD_W_ABS, None, None, 16)]  # args[0]
+    lines += [(_JEQ_K, "allow", None, family) for family in (AF_UNIX, AF_INET, AF_INET6)]
+    lines += [(_RET_K, None, None, _RET_ERRNO | _EAFNOSUPPORT), ("label", "allow"), (_RET_K, None, None, _RET_ALLOW),
+              ("label", "enosys"), (_RET_K, None, None, _RET_ERRNO | _ENOSYS)]
+    return _assemble(lines)
 
 
 def install_seccomp() -> bool:

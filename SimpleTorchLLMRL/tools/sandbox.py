@@ -22,7 +22,7 @@ that measure them):
 - Always: the code arrives on stdin as a sealed read-only memfd (never in argv, not on the host disk), `python -I`, a
   scrubbed environment, rlimits (CPU, address space, file size, processes, open files, no
   core), a fresh session keyring, no_new_privs, a seccomp filter (x86-64, aarch64: no kernel
-  keyring syscalls, sockets of AF_UNIX / AF_INET / AF_INET6 only), Landlock where the kernel has
+  keyring or inotify syscalls, sockets of AF_UNIX / AF_INET / AF_INET6 only), Landlock where the kernel has
   it (writes only in the working directory, no TCP, no signals out), a wall-clock timeout, output read
   with a cap, and a clean-up that never waits on the program.
 - As root the program runs as an unprivileged uid: a fresh one per run (run_as="auto") or
