@@ -204,15 +204,10 @@ class CodeEnv(ToolUseEnv):
     def outputs_pass(self, code: str, split: SplitTests) -> list[bool]:
         """Per case: did the sandbox's output equal the expected value (compared here)? Never raises."""
         fail = [False] * len(split.inputs)
-        program = _OUTPUTS.format(solution=code, cases=list(split.inputs), stdio=split.stdio)
         if len(code) + sum(map(len, split.inputs)) > self.sandbox.max_code_chars:
             return fail
         nonce = secrets.token_hex(16).encode()
-        try:
-            box = dataclasses.replace(self.sandbox, max_code_chars=max(len(program), self.sandbox.max_code_chars))
-            report = box.run(program, secret=nonce).report
-        except Exception:  # noqa: BLE001  (a sandbox failure scores nothing)
-            return fail
+        report = self._run_harness(_OUTPUTS.format(solution=code, cases=list(split.inputs), stdio=split.stdio), nonce)
         head, _, body = report.partition(b"\n")
         try:
             outputs = json.loads(body) if head == nonce else None
@@ -236,9 +231,12 @@ class CodeEnv(ToolUseEnv):
         if len(code) + len(tests) > self.sandbox.max_code_chars:
             return False
         nonce = secrets.token_hex(16).encode()
-        program = _HARNESS.format(solution=code, tests=tests)
+        return self._run_harness(_HARNESS.format(solution=code, tests=tests), nonce) == nonce
+
+    def _run_harness(self, program: str, nonce: bytes) -> bytes:
+        """What a harness program wrote to its private channel (b"" when the sandbox itself failed)."""
         try:  # the limit applies to the model's code and the tests, not to their quoting in the harness
             box = dataclasses.replace(self.sandbox, max_code_chars=max(len(program), self.sandbox.max_code_chars))
-            return box.run(program, secret=nonce).report == nonce
-        except Exception:
-            return False
+            return box.run(program, secret=nonce).report
+        except Exception:  # noqa: BLE001  (a sandbox failure scores nothing)
+            return b""
