@@ -280,10 +280,15 @@ class _DeviceChunks(_LinearChunks):
     float32-output GEMM is not available and the logits are rounded to the head's dtype first.
     """
 
-    def score(self, hc: torch.Tensor, yc: torch.Tensor, probs: bool, entropy: bool):
-        z = _mm_f32(hc.to(self.W.dtype), self.W.t())  # (n, V) float32
+    def logits(self, hc: torch.Tensor) -> torch.Tensor:
+        """(n, H) -> (n, V) float32 logits, temperature not applied."""
+        z = _mm_f32(hc.to(self.W.dtype), self.W.t())
         if self.b is not None:
             z += self.b.float()
+        return z
+
+    def score(self, hc: torch.Tensor, yc: torch.Tensor, probs: bool, entropy: bool):
+        z = self.logits(hc)  # (n, V) float32
         if self.inv_temp != 1.0:
             z.mul_(self.inv_temp)
         logit_y = z.gather(1, yc[:, None]).squeeze(1)  # (n,)
@@ -316,9 +321,7 @@ class _TritonChunks(_DeviceChunks):
         self._g = None  # (n, V) gradient buffer in the head's dtype, reused across chunks
 
     def score(self, hc: torch.Tensor, yc: torch.Tensor, probs: bool, entropy: bool):
-        z = _mm_f32(hc.to(self.W.dtype), self.W.t())  # (n, V) float32, temperature not applied
-        if self.b is not None:
-            z += self.b.float()
+        z = self.logits(hc)  # (n, V) float32; row_stats applies the temperature
         logp, ent, lse = head_triton.row_stats(z, yc, self.inv_temp)
         return logp, ent if entropy else None, (z, lse) if probs else None
 
