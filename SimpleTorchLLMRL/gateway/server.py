@@ -35,7 +35,7 @@ from SimpleTorchLLMRL.gateway.openai_format import (
     reply_view,
     stream_payloads,
 )
-from SimpleTorchLLMRL.gateway.sessions import SessionStore, options_of, shown_view
+from SimpleTorchLLMRL.gateway.sessions import SessionStore, shown_view
 
 ANONYMOUS = "default"
 
@@ -215,7 +215,7 @@ class Gateway:
                 content, calls = reply_view(msg.content, req.tools, self.tool_parsers)
                 shown.append(shown_view(content, calls))
                 choices.append(await self._choice(i, msg, content, calls, prompt_ids, req))
-            self.store.record(session, plan, replies, shown, options_of(req))
+            self.store.record(session, plan, replies, shown)
             self._write(plan.closed)
             return completion_payload(new_id(), self.model_name, choices, prompt_ids, req.return_token_ids)
 

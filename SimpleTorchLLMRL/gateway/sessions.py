@@ -44,7 +44,8 @@ def shown_view(content: str | None, tool_calls: list[dict]) -> tuple:
     return view({"role": "assistant", "content": content or "", "tool_calls": calls})
 
 
-def _options(req: ChatRequest) -> str:
+def options_of(req: ChatRequest) -> str:
+    """The call's tools and template options, as one comparable string."""
     return json.dumps([req.tools, req.template_kwargs], sort_keys=True, default=str)
 
 
@@ -71,6 +72,7 @@ class Plan:
     views: list[tuple]
     closed: list[Rollout]
     merged: bool
+    options: str  # options_of the request
 
 
 @dataclass
@@ -82,22 +84,22 @@ class Session:
 
     def plan(self, req: ChatRequest) -> Plan:
         """Merge onto the branch when the request extends it by one of its replies; fork otherwise."""
-        b, views = self.branch, [view(t) for t in req.chat]
+        b, views, options = self.branch, [view(t) for t in req.chat], options_of(req)
         metadata = {"session": self.name, **({"tools": req.tools} if req.tools else {}),
                     **({"chat_template_kwargs": req.template_kwargs} if req.template_kwargs else {})}
-        if b is not None and b.options == _options(req):
+        if b is not None and b.options == options:
             k = len(b.views)
             if len(views) > k and views[:k] == b.views and views[k] in b.shown:
                 j = b.shown.index(views[k])
                 closed = [b.rollout(i) for i in range(len(b.replies)) if i != j]
                 messages = [*b.prompt.messages, b.replies[j], *(to_message(t) for t in req.chat[k + 1:])]
-                return Plan(Rollout(messages, metadata), views, closed, True)
+                return Plan(Rollout(messages, metadata), views, closed, True, options)
         closed = b.rollouts() if b is not None else []
-        return Plan(Rollout([to_message(t) for t in req.chat], metadata), views, closed, False)
+        return Plan(Rollout([to_message(t) for t in req.chat], metadata), views, closed, False, options)
 
-    def record(self, plan: Plan, replies: list[Message], shown: list[tuple], options: str) -> None:
+    def record(self, plan: Plan, replies: list[Message], shown: list[tuple]) -> None:
         self.finished.extend(plan.closed)
-        self.branch = Branch(plan.prompt, plan.views, replies, shown, options)
+        self.branch = Branch(plan.prompt, plan.views, replies, shown, plan.options)
         self.calls += 1
 
     def open_rollouts(self) -> list[Rollout]:
@@ -119,10 +121,10 @@ class SessionStore:
         with self._lock:
             return self._sessions.setdefault(name, Session(name))
 
-    def record(self, session: Session, plan: Plan, replies: list[Message], shown: list[tuple], options: str) -> None:
+    def record(self, session: Session, plan: Plan, replies: list[Message], shown: list[tuple]) -> None:
         """`session.record` under the store's lock, so a reader never sees half a call."""
         with self._lock:
-            session.record(plan, replies, shown, options)
+            session.record(plan, replies, shown)
 
     def names(self) -> list[str]:
         with self._lock:
@@ -145,6 +147,3 @@ class SessionStore:
             self._sessions.clear()
             return out
 
-
-def options_of(req: ChatRequest) -> str:
-    return _options(req)
