@@ -190,11 +190,8 @@ class PythonSandbox:
 
     def _shared_uid(self) -> int | None:
         """The uid runs of this sandbox share (a fixed run_as, or nobody when fresh uids do not work), else None."""
-        if self.run_as is None or os.geteuid() != 0:
-            return None
-        if self.run_as == "auto":
-            return None if _fresh_uids_work() else _NOBODY
-        return self.run_as
+        uid, _, fresh = self._identity()
+        return None if fresh else uid
 
     # ---- running --------------------------------------------------------------------------------------
     def run(self, code: str, *, secret: bytes | None = None) -> SandboxResult:
