@@ -3,7 +3,7 @@
 Plain functions over JSON-ready dicts; nothing here knows about HTTP or sessions.
 
     parse_request(body, model_name, defaults) -> ChatRequest     (raises RequestError -> a 4xx body)
-    reply_view(text, tools, parsers)         -> (content, tool_calls, well_formed)
+    reply_view(text, tools, parsers)         -> (content, tool_calls)
     completion_payload(...) / stream_payloads(...)
 """
 
