@@ -100,6 +100,9 @@ class ModelGenerate:
     batch_size: HF backend only, at most this many sequences per `generate` call (None: all at
     once); vLLM schedules its own batches. policy_version: stamped on every sampled message; bump it
     after each optimizer step (the HF backend samples with the live model), `push_weights` bumps it.
+    decode: HF backend only: "fast" (a static KV cache and the decode step as a CUDA graph on GPUs;
+    `fast_decode`), "default" (`model.generate`), "auto" (fast on CUDA where the model allows, else
+    default). Both give the same ids under the same seed.
     """
 
     def __init__(self, model, tokenizer=None, max_new_tokens: int = 50, temperature: float = 0.7,
@@ -107,7 +110,8 @@ class ModelGenerate:
                  stop: str | Sequence[str] | None = None, *, tool_call_stop: str | Sequence[str] | None = None,
                  eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
                  batch_size: int | None = None, backend: str = "auto", lora_request=None,
-                 vllm_kwargs: dict | None = None, policy_version: int = 0, sampling: SamplingConfig | None = None):
+                 vllm_kwargs: dict | None = None, policy_version: int = 0, sampling: SamplingConfig | None = None,
+                 decode: str = "auto"):
         self.config = _sampling_config(sampling, dict(
             max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample, top_p=top_p, top_k=top_k,
             stop=stop, tool_call_stop=tool_call_stop, eos_token_ids=eos_token_ids))
@@ -122,6 +126,9 @@ class ModelGenerate:
         if use_vllm:
             from SimpleTorchLLMRL.model.vllm import VLLMBackend
 
+            if decode != "auto":
+                raise ValueError(f"decode={decode!r} chooses the HF backend's decode loop; the vLLM engine has its own")
+
             self.backend = VLLMBackend(model, tokenizer, self.config, lora_request=lora_request,
                                        vllm_kwargs=vllm_kwargs)
             tokenizer = self.backend.tokenizer
@@ -130,7 +137,7 @@ class ModelGenerate:
 
             if lora_request is not None or vllm_kwargs:
                 raise ValueError("lora_request / vllm_kwargs only apply to the vLLM backend")
-            self.backend = HFBackend(model, tokenizer, self.config, batch_size)
+            self.backend = HFBackend(model, tokenizer, self.config, batch_size, decode=decode)
         self.model = getattr(self.backend, "llm", model)  # the engine when built from a model path
         self.tokenizer = tokenizer
         self._fitted: dict[int, tuple[object, int, list[int]]] = {}  # id(rollout) -> prompt ids `fits` encoded

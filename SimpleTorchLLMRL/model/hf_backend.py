@@ -1,20 +1,21 @@
-"""The HF backend of `ModelGenerate`: left-padded batched `model.generate` with log-probs recorded on the fly.
+"""The HF backend of `ModelGenerate`: left-padded batched decoding with log-probs recorded on the fly.
 
 Legend: B batch (prompts x n samples), L longest prompt, N new tokens, V vocab.
 
-Recorded log-probs are log_softmax(raw logits / T) of the chosen token, before any
-top-k / top-p truncation. Greedy: `_LogprobRecorder` keeps each step's log-softmax and
-gathers the token HF picked. Sampling: the last logits processor (`_Sampler`, inverse
-CDF, one uniform per row) draws the token and records its log-prob, and `generate`
-runs greedy so HF's argmax takes that token; with top-k / top-p, `_RawStats` first keeps
-the raw scores, then the warpers (temperature, top-k, top-p: ours, in HF's order)
-truncate. HF's own sampling is `torch.multinomial`, an exponential race whose CPU RNG
-costs ~18 ns per vocabulary entry (187 ms per step at B=64, V=151,936); the (B, V)
-temporaries live in one buffer reused across steps. The model's own generation-config
+Two decode loops pick tokens with the same `TokenPicker`, so they sample the same ids under one seed:
+`model.generate` ("default") and the fast decode ("fast": a static KV cache, a compiled forward and
+the whole step as one CUDA graph; `fast_decode`), chosen by `decode=` ("auto": fast on CUDA where the
+model allows). Recorded log-probs are log_softmax(raw logits / T) of the chosen token, before any
+top-k / top-p truncation. Greedy takes the argmax. Sampling draws by inverse CDF, one uniform per row
+(`inverse_cdf_sample`), from softmax(logits / T) or from what the warpers (temperature, top-k, top-p:
+HF's, in HF's order) leave. HF's own sampling is `torch.multinomial`, an exponential race whose CPU
+RNG costs ~18 ns per vocabulary entry (187 ms per step at B=64, V=151,936); the (B, V) temporaries
+live in one buffer reused across steps. Under `generate` the picker is the only logits processor and
+returns scores whose argmax is its token (`generate` runs greedy). The model's own generation-config
 sampling settings are overridden (HF would otherwise apply e.g. its default top_k=50).
 
-The G samples of one prompt share its prefill: each distinct prompt's first L - 1 tokens
-run once into a KV cache that is repeated for its rows, and `generate` continues from it
+On the default path the G samples of one prompt share its prefill: each distinct prompt's first
+L - 1 tokens run once into a KV cache that is repeated for its rows, and `generate` continues from it
 (vLLM's prefix caching does the same); `backend.share_prefill = False` turns this off.
 """
 
@@ -26,140 +27,28 @@ from collections.abc import Sequence
 import torch
 
 from SimpleTorchLLMRL.model.logprobs import check_vocabulary
+from SimpleTorchLLMRL.model.picker import TokenPicker, checked_mass
 from SimpleTorchLLMRL.model.sampling import Sample, SamplingConfig, cut_sample, find_stop, stop_window
 from SimpleTorchLLMRL.model.shared_prefix import forward_last_logits, prefix_groups
 
 
-class _LogprobRecorder:
-    """Greedy decoding's logits processor: records log p(chosen) under logits / T.
+class _Picker:
+    """`generate`'s only logits processor: picks each row's token (`TokenPicker`), records its
+    log-prob, and returns scores whose argmax is that token (`generate` runs greedy)."""
 
-    At step t it sees the raw (B, V) scores; the token sampled from them shows up as
-    input_ids[:, -1] at step t + 1 (the last one is gathered by `finish`). Only one
-    (B, V) tensor is kept, never a (B, N, V) stack.
-    """
-
-    def __init__(self, temperature: float):
-        self.temperature = temperature
-        self.prev: torch.Tensor | None = None  # (B, V) float32 log-probs of the previous step
+    def __init__(self, cfg: SamplingConfig):
+        self.picker = TokenPicker(cfg)
         self.logprobs: list[torch.Tensor] = []  # N x (B,)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.prev is not None:
-            self.logprobs.append(self.prev.gather(1, input_ids[:, -1:]).squeeze(1))
-        self.prev = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        return scores
+        tok, logprob, mass = self.picker.pick(scores)
+        if mass is not None:
+            checked_mass(mass, True)
+        self.logprobs.append(logprob)
+        return scores.fill_(float("-inf")).scatter_(1, tok[:, None], 0.0)
 
-    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
-        """(B, N) log-probs of the N sampled tokens, the last column from `sequences`."""
-        if self.prev is not None:
-            self.logprobs.append(self.prev.gather(1, sequences[:, -1:]).squeeze(1))
-            self.prev = None
-        return torch.stack(self.logprobs, dim=1)
-
-
-BLOCK = 1024  # vocabulary entries per first-level block of the inverse CDF
-
-
-def inverse_cdf_sample(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unnormalized probabilities p (B, V) >= 0 -> ids (B,) with P(v) = p_v / sum(p), and sum(p) (B,) float64.
-
-    One uniform per row (torch's global RNG). Up to 4 x BLOCK entries: one float64
-    cumsum; beyond: a float64 cumsum over per-block sums picks a block, a cumsum
-    inside that block picks the entry (no (B, V) temporary). An entry with p = 0 is
-    never picked: the target mass is kept strictly below each row's total.
-    """
-    B, V = p.shape
-    u = torch.rand(B, 1, dtype=torch.float64, device=p.device)  # (B, 1)
-    if V <= 4 * BLOCK:
-        cum = p.double().cumsum(-1)  # (B, V)
-        total = _check_mass(cum[:, -1:])  # (B, 1)
-        target = torch.minimum(u * total, total * (1 - 1e-12))
-        return torch.searchsorted(cum, target, right=True).clamp_(max=V - 1).squeeze(1), total.squeeze(1)
-    nb, rem = divmod(V, BLOCK)
-    parts = [p[:, : nb * BLOCK].view(B, nb, BLOCK).sum(-1)] + ([p[:, nb * BLOCK:].sum(-1, keepdim=True)] if rem else [])
-    blk = torch.cat(parts, dim=1).double()  # (B, blocks)
-    cum = blk.cumsum(-1)  # (B, blocks)
-    total = _check_mass(cum[:, -1:])  # (B, 1)
-    target = torch.minimum(u * total, total * (1 - 1e-12))
-    j = torch.searchsorted(cum, target, right=True).clamp_(max=cum.shape[1] - 1)  # (B, 1) block
-    before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # (B, blocks) mass of the blocks before each one
-    r = target - before.gather(1, j)  # (B, 1) >= 0: cum[j - 1] <= target < cum[j]
-    idx = j * BLOCK + torch.arange(BLOCK, device=p.device)  # (B, BLOCK)
-    inner = p.gather(1, idx.clamp(max=V - 1)).double().masked_fill_(idx >= V, 0.0).cumsum(-1)  # (B, BLOCK)
-    r = torch.minimum(r, inner[:, -1:] * (1 - 1e-12))  # float32 block sums vs float64 inner sums
-    k = torch.searchsorted(inner, r, right=True).clamp_(max=BLOCK - 1)  # (B, 1)
-    return (j * BLOCK + k).squeeze(1), total.squeeze(1)
-
-
-def _check_mass(total: torch.Tensor) -> torch.Tensor:
-    """total (B, 1) probability mass per row; raises when a row cannot be sampled from."""
-    bad = ~(torch.isfinite(total) & (total > 0))
-    if bool(bad.any()):
-        rows = bad.flatten().nonzero().flatten().tolist()
-        raise ValueError(f"cannot sample: the scores of {len(rows)} of {total.shape[0]} rows are NaN/inf or "
-                         f"mask out every token (first rows: {rows[:8]})")
-    return total
-
-
-class _Scratch:
-    """One (B, V) float32 buffer reused by every step of a generate call."""
-
-    def __init__(self):
-        self.buf: torch.Tensor | None = None
-
-    def like(self, x: torch.Tensor) -> torch.Tensor:
-        if self.buf is None or self.buf.shape != x.shape:
-            self.buf = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        return self.buf
-
-
-class _RawStats:
-    """First processor when top-k / top-p truncate: keeps the raw scores and their log-sum-exp at T, (B, 1)."""
-
-    def __init__(self, temperature: float, scratch: _Scratch):
-        self.inv_t, self.scratch = 1.0 / temperature, scratch
-        self.z: torch.Tensor | None = None
-        self.lse: torch.Tensor | None = None
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        m = scores.amax(-1, keepdim=True)  # (B, 1)
-        d = torch.sub(scores, m, out=self.scratch.like(scores))
-        if self.inv_t != 1.0:
-            d.mul_(self.inv_t)
-        self.z = scores  # HF's warpers return new tensors and never write into this one
-        self.lse = m * self.inv_t + d.exp_().sum(-1, keepdim=True).log()
-        return scores
-
-
-class _Sampler:
-    """Last processor: samples one token per row from softmax(scores), records its log-prob under
-    softmax(raw scores / T), and returns scores whose argmax is that token (generate runs greedy).
-
-    raw=None: no warper ran, the scores are the raw ones and are tempered here (one exp
-    pass serves the sampling and the log-sum-exp); otherwise they are tempered and truncated.
-    """
-
-    def __init__(self, temperature: float, scratch: _Scratch, raw: _RawStats | None = None):
-        self.inv_t, self.scratch, self.raw = 1.0 / temperature, scratch, raw
-        self.logprobs: list[torch.Tensor] = []  # N x (B,)
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        inv_t = self.inv_t if self.raw is None else 1.0
-        m = scores.amax(-1, keepdim=True)  # (B, 1); warpers keep >= 1 finite score per row
-        p = torch.sub(scores, m, out=self.scratch.like(scores))
-        if inv_t != 1.0:
-            p.mul_(inv_t)
-        tok, total = inverse_cdf_sample(p.exp_())
-        tok = tok[:, None]  # (B, 1)
-        if self.raw is None:
-            z, lse = scores, m * inv_t + total[:, None].log().float()
-        else:
-            z, lse = self.raw.z, self.raw.lse
-        self.logprobs.append((z.gather(1, tok) * self.inv_t - lse).squeeze(1))
-        return scores.fill_(float("-inf")).scatter_(1, tok, 0.0)
-
-    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
-        """(B, N) log-probs of the N sampled tokens."""
+    def finish(self) -> torch.Tensor:
+        """(B, N) log-probs of the N picked tokens."""
         return torch.stack(self.logprobs, dim=1)
 
 
@@ -176,13 +65,28 @@ class _StopOnStrings:
         return torch.tensor(hits, dtype=torch.bool, device=input_ids.device)
 
 
-class HFBackend:
-    """Left-padded batched `model.generate` with per-token log-probs recorded on the fly."""
+DECODES = ("auto", "default", "fast")
 
-    def __init__(self, model, tokenizer, cfg: SamplingConfig, batch_size: int | None = None):
+
+class HFBackend:
+    """Left-padded batched `model.generate` with per-token log-probs recorded on the fly; or the fast
+    decode (`fast_decode`: static cache, CUDA graph), `decode="fast"`, the default on CUDA ("auto")."""
+
+    def __init__(self, model, tokenizer, cfg: SamplingConfig, batch_size: int | None = None,
+                 decode: str = "auto"):
+        from SimpleTorchLLMRL.model.fast_decode import supports_fast_decode
+
         if not hasattr(model, "generate"):
             raise TypeError(f"the HF backend needs a model with .generate(), got {type(model).__name__}")
+        if decode not in DECODES:
+            raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
+        self.fast_ok = supports_fast_decode(model)
+        if decode == "fast" and not self.fast_ok:
+            raise ValueError(f"decode='fast' needs a decoder-only model whose transformers StaticCache has only "
+                             f"full-attention layers; {type(model).__name__} has not (use decode='default')")
         check_vocabulary(model, tokenizer)
+        self.decode = decode
+        self.compile_decode: bool | None = None  # fast decode: torch.compile its forward (None: on CUDA)
         self.model, self.tokenizer, self.cfg, self.batch_size = model, tokenizer, cfg, batch_size
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad is None:
@@ -222,14 +126,15 @@ class HFBackend:
                     torch.manual_seed(seed)
                 flat = []
                 for start in range(0, len(expanded), step):
-                    flat.extend(self._generate_batch(expanded[start: start + step], device))
+                    flat.extend(self._generate_batch(expanded[start: start + step], device, adapter))
         finally:
             self.model.train(was_training)
         return [flat[i * n: (i + 1) * n] for i in range(len(prompts))]
 
-    def _generate_batch(self, prompts: list[list[int]], device) -> list[Sample]:
-        from transformers import LogitsProcessorList, StoppingCriteriaList
+    def uses_fast_decode(self, device: torch.device) -> bool:
+        return self.decode == "fast" or (self.decode == "auto" and device.type == "cuda" and self.fast_ok)
 
+    def _generate_batch(self, prompts: list[list[int]], device, adapter: str | None = None) -> list[Sample]:
         cfg = self.cfg
         B, L = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)  # (B, L) left-padded
@@ -237,22 +142,61 @@ class HFBackend:
         for i, p in enumerate(prompts):
             input_ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
             attention_mask[i, L - len(p):] = 1
-        recorder, processors = self._processors()
-        criteria = StoppingCriteriaList([_StopOnStrings(self.tokenizer, cfg.all_stops, L)] if cfg.all_stops else [])
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         with torch.inference_mode():
-            cache = self._shared_prefill(input_ids, attention_mask) if self.share_prefill else None
-            seq = self.model.generate(  # greedy: sampling happens in our last processor
-                input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                max_new_tokens=cfg.max_new_tokens, do_sample=False, num_beams=1, temperature=None, top_k=None,
-                top_p=None, repetition_penalty=1.0, no_repeat_ngram_size=0, eos_token_id=list(cfg.eos_token_ids),
-                pad_token_id=self.pad_id, logits_processor=LogitsProcessorList(processors),
-                stopping_criteria=criteria,
-            )
-            new = seq[:, L:]  # (B, N)
-            logps = recorder.finish(seq)[:, : new.shape[1]]  # (B, N)
+            if self.uses_fast_decode(device):
+                new, logps = self._fast_decode(input_ids, attention_mask, device, adapter)
+            else:
+                new, logps = self._hf_generate(input_ids, attention_mask)
         new_l, logps_l = new.tolist(), logps.tolist()
         return [cut_sample(self.tokenizer, ids, lps, cfg) for ids, lps in zip(new_l, logps_l, strict=True)]
+
+    def _fast_decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, device,
+                     adapter: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, n) ids and log-probs from the static-cache decoder of this shape (built, or reused from an
+        earlier call on this model: one per model, `fast_decode.DECODERS`)."""
+        from SimpleTorchLLMRL.model.fast_decode import CHECK_EVERY, DECODERS, StaticDecoder, slots_for
+
+        cfg = self.cfg
+        B, L = input_ids.shape
+        slots = slots_for(L, cfg.max_new_tokens)
+        weights = tuple(p.data_ptr() for p in self.model.parameters())
+        key = (B, slots, str(device), adapter, weights, self.compile_decode)
+        held = DECODERS.get(self.model)
+        if held is None or held[0] != key:
+            self.sleep()  # free the old cache and graph first
+            compile = self.compile_decode if self.compile_decode is not None else device.type == "cuda"
+            held = (key, StaticDecoder(self.model, B, slots, device, graphs=True, compile=compile))
+            DECODERS[self.model] = held
+        held[1].use_picker(TokenPicker(cfg), (cfg.greedy, cfg.temperature, cfg.top_k, cfg.top_p, cfg.eos_token_ids),
+                           cfg.eos_token_ids)
+        stops = cfg.all_stops
+        window = stop_window(stops) + CHECK_EVERY if stops else 0
+
+        def row_stopped(rows: list[list[int]]) -> list[bool]:
+            return [find_stop(self.tokenizer, row, stops, window) is not None for row in rows]
+
+        return held[1].decode(input_ids, attention_mask, cfg.max_new_tokens,
+                                       row_stopped if stops else None)
+
+    def _hf_generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, N) ids and log-probs from `model.generate` (greedy over our picker's forced scores)."""
+        from transformers import LogitsProcessorList, StoppingCriteriaList
+
+        cfg = self.cfg
+        L = input_ids.shape[1]
+        picker = _Picker(cfg)
+        criteria = StoppingCriteriaList([_StopOnStrings(self.tokenizer, cfg.all_stops, L)] if cfg.all_stops else [])
+        cache = self._shared_prefill(input_ids, attention_mask) if self.share_prefill else None
+        seq = self.model.generate(  # greedy: sampling happens in our last processor
+            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+            max_new_tokens=cfg.max_new_tokens, do_sample=False, num_beams=1, temperature=None, top_k=None,
+            top_p=None, repetition_penalty=1.0, no_repeat_ngram_size=0, eos_token_id=list(cfg.eos_token_ids),
+            pad_token_id=self.pad_id, logits_processor=LogitsProcessorList([picker]),
+            stopping_criteria=criteria,
+        )
+        new = seq[:, L:]  # (B, N)
+        return new, picker.finish()[:, : new.shape[1]]  # (B, N)
 
     def _shared_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         """KV cache of the first L - 1 tokens of each distinct prompt, prefilled once and repeated
@@ -281,42 +225,15 @@ class HFBackend:
         cache.batch_select_indices(group)  # (U, ...) -> (B, ...)
         return cache
 
-    def _processors(self) -> tuple:
-        """(recorder with .finish, the logits-processor list) for greedy or sampled decoding."""
-        cfg = self.cfg
-        if cfg.greedy:
-            recorder = _LogprobRecorder(cfg.logprob_temperature)
-            return recorder, [recorder]
-        scratch = _Scratch()
-        if not cfg.truncates:  # one processor: temper, sample, record
-            recorder = _Sampler(cfg.temperature, scratch)
-            return recorder, [recorder]
-        raw = _RawStats(cfg.temperature, scratch)
-        recorder = _Sampler(cfg.temperature, scratch, raw)
-        return recorder, [raw, *self._warpers(), recorder]
-
-    def _warpers(self) -> list:
-        """Temperature, then top-k, then top-p (HF's order), between `_RawStats` and `_Sampler`."""
-        from transformers.generation.logits_process import (
-            TemperatureLogitsWarper,
-            TopKLogitsWarper,
-            TopPLogitsWarper,
-        )
-
-        cfg = self.cfg
-        out = [TemperatureLogitsWarper(float(cfg.temperature))] if cfg.temperature != 1 else []
-        if cfg.top_k:
-            out.append(TopKLogitsWarper(top_k=cfg.top_k))
-        if cfg.top_p is not None and cfg.top_p < 1:
-            out.append(TopPLogitsWarper(top_p=cfg.top_p))
-        return out
-
     def push_weights(self, model=None, mode: str = "merged", adapter=None) -> None:
         if model is not None and model is not self.model:
             raise ValueError("the HF backend generates with its own model object; pass that model (or None)")
 
     def sleep(self, level: int = 1) -> None:
-        return None
+        """Free the fast decode's KV cache and CUDA graph (rebuilt at the next call)."""
+        from SimpleTorchLLMRL.model.fast_decode import DECODERS
+
+        DECODERS.pop(self.model, None)
 
     def wake_up(self, tags=None) -> None:
         return None

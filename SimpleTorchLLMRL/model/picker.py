@@ -1,0 +1,141 @@
+"""How a decode step picks each row's token and its log-prob, with no host sync: `TokenPicker`.
+
+Legend: B rows, V vocab.
+
+Shared by both HF decode loops (`hf_backend`'s `model.generate` processor and `fast_decode`'s CUDA
+graph), so under one seed they draw the same ids. Sampling is by inverse CDF, one float64 uniform
+per row from torch's RNG (`inverse_cdf_sample`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from SimpleTorchLLMRL.model.sampling import SamplingConfig
+
+BLOCK = 1024  # vocabulary entries per first-level block of the inverse CDF
+
+
+def inverse_cdf_sample(p: torch.Tensor, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unnormalized probabilities p (B, V) >= 0 -> ids (B,) with P(v) = p_v / sum(p), and sum(p) (B,) float64.
+
+    One uniform per row (torch's global RNG). Up to 4 x BLOCK entries: one float64
+    cumsum; beyond: a float64 cumsum over per-block sums picks a block, a cumsum
+    inside that block picks the entry (no (B, V) temporary). An entry with p = 0 is
+    never picked: the target mass is kept strictly below each row's total. `check`: raise on a
+    row with no finite positive mass (a host sync); without it such a row's id is arbitrary and the
+    caller checks the returned totals (`mass_error`).
+    """
+    B, V = p.shape
+    u = torch.rand(B, 1, dtype=torch.float64, device=p.device)  # (B, 1)
+    if V <= 4 * BLOCK:
+        cum = p.double().cumsum(-1)  # (B, V)
+        total = checked_mass(cum[:, -1:], check)  # (B, 1)
+        target = torch.minimum(u * total, total * (1 - 1e-12))
+        return torch.searchsorted(cum, target, right=True).clamp_(max=V - 1).squeeze(1), total.squeeze(1)
+    nb, rem = divmod(V, BLOCK)
+    parts = [p[:, : nb * BLOCK].view(B, nb, BLOCK).sum(-1)] + ([p[:, nb * BLOCK:].sum(-1, keepdim=True)] if rem else [])
+    blk = torch.cat(parts, dim=1).double()  # (B, blocks)
+    cum = blk.cumsum(-1)  # (B, blocks)
+    total = checked_mass(cum[:, -1:], check)  # (B, 1)
+    target = torch.minimum(u * total, total * (1 - 1e-12))
+    j = torch.searchsorted(cum, target, right=True).clamp_(max=cum.shape[1] - 1)  # (B, 1) block
+    before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # (B, blocks) mass of the blocks before each one
+    r = target - before.gather(1, j)  # (B, 1) >= 0: cum[j - 1] <= target < cum[j]
+    idx = j * BLOCK + torch.arange(BLOCK, device=p.device)  # (B, BLOCK)
+    inner = p.gather(1, idx.clamp(max=V - 1)).double().masked_fill_(idx >= V, 0.0).cumsum(-1)  # (B, BLOCK)
+    r = torch.minimum(r, inner[:, -1:] * (1 - 1e-12))  # float32 block sums vs float64 inner sums
+    k = torch.searchsorted(inner, r, right=True).clamp_(max=BLOCK - 1)  # (B, 1)
+    return (j * BLOCK + k).squeeze(1), total.squeeze(1)
+
+
+def unsampleable(total: torch.Tensor) -> torch.Tensor:
+    """Rows whose probability mass `total` (B,) or (B, 1) is NaN, inf or 0: bool, same shape."""
+    return ~(torch.isfinite(total) & (total > 0))
+
+
+def mass_error(bad: torch.Tensor) -> ValueError | None:
+    """The error for the rows marked in `bad` (B,) bool, None when there are none (a host sync)."""
+    if not bool(bad.any()):
+        return None
+    rows = bad.flatten().nonzero().flatten().tolist()
+    return ValueError(f"cannot sample: the scores of {len(rows)} of {bad.numel()} rows are NaN/inf or "
+                      f"mask out every token (first rows: {rows[:8]})")
+
+
+def checked_mass(total: torch.Tensor, check: bool) -> torch.Tensor:
+    """`total` as given; with `check`, the `mass_error` of its rows raised first (a host sync)."""
+    error = mass_error(unsampleable(total)) if check else None
+    if error is not None:
+        raise error
+    return total
+
+
+class _Scratch:
+    """One (B, V) float32 buffer reused by every step of a decode loop."""
+
+    def __init__(self):
+        self.buf: torch.Tensor | None = None
+
+    def like(self, x: torch.Tensor) -> torch.Tensor:
+        if self.buf is None or self.buf.shape != x.shape:
+            self.buf = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        return self.buf
+
+
+class TokenPicker:
+    """One decode step's choice from the (B, V) float32 scores: `pick(scores) -> (ids (B,), logprobs (B,),
+    mass (B,) float64 or None)`, with no host sync (the default path's processor and the fast decode's
+    CUDA graph share it).
+
+    The log-prob is log_softmax(raw scores / T) of the chosen token, before top-k / top-p. Greedy:
+    the argmax. Sampling: `inverse_cdf_sample` (one uniform per row) from softmax(scores / T), or
+    from what HF's warpers (temperature, top-k, top-p, in HF's order) leave; `mass` is the sampled
+    distribution's unnormalized total, for `unsampleable`.
+    """
+
+    def __init__(self, cfg: SamplingConfig):
+        self.greedy, self.inv_t = cfg.greedy, 1.0 / cfg.logprob_temperature
+        self.warpers = [] if cfg.greedy else _warpers(cfg)
+        self.scratch = _Scratch()
+
+    def pick(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        inv_t = self.inv_t
+        m = scores.amax(-1, keepdim=True)  # (B, 1)
+        d = torch.sub(scores, m, out=self.scratch.like(scores))  # (B, V)
+        if inv_t != 1.0:
+            d.mul_(inv_t)
+        if self.greedy:
+            tok = scores.argmax(-1, keepdim=True)  # (B, 1)
+            lse = m * inv_t + d.exp_().sum(-1, keepdim=True).log()
+            return tok.squeeze(1), (scores.gather(1, tok) * inv_t - lse).squeeze(1), None
+        if not self.warpers:  # one exp pass serves the sampling and the log-sum-exp
+            tok, total = inverse_cdf_sample(d.exp_(), check=False)
+            lse = m * inv_t + total[:, None].log().float()
+        else:
+            lse = m * inv_t + d.exp_().sum(-1, keepdim=True).log()  # (B, 1) of the raw scores at T
+            z = scores
+            for warp in self.warpers:  # HF's warpers return new tensors: `scores` stays raw
+                z = warp(None, z)
+            p = torch.sub(z, z.amax(-1, keepdim=True), out=self.scratch.like(z)).exp_()  # warpers keep >= 1 finite
+            tok, total = inverse_cdf_sample(p, check=False)
+        tok = tok[:, None]  # (B, 1)
+        return tok.squeeze(1), (scores.gather(1, tok) * inv_t - lse).squeeze(1), total
+
+
+def _warpers(cfg: SamplingConfig) -> list:
+    """Temperature, then top-k, then top-p (HF's order); empty when nothing truncates."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    if not cfg.truncates:
+        return []
+    out = [TemperatureLogitsWarper(float(cfg.temperature))] if cfg.temperature != 1 else []
+    if cfg.top_k:
+        out.append(TopKLogitsWarper(top_k=cfg.top_k))
+    if cfg.top_p is not None and cfg.top_p < 1:
+        out.append(TopPLogitsWarper(top_p=cfg.top_p))
+    return out
