@@ -172,6 +172,10 @@ def test_push_sends_a_callable_when_the_engine_is_in_another_process(vllm, tok, 
 
     llm = vllm.LLM(model_dir)
     monkeypatch.delattr(llm.llm_engine, "model_executor")  # V1 multiprocess: no in-process executor
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    with pytest.raises(RuntimeError, match="VLLM_ALLOW_INSECURE_SERIALIZATION=1 set before the engine starts"):
+        push_weights(llm, tiny_model("qwen2", tok))
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     sent = []
     real = llm.collective_rpc
     monkeypatch.setattr(llm, "collective_rpc", lambda m, *a, **k: sent.append(m) or real(m, *a, **k))

@@ -207,3 +207,24 @@ def test_main_py_with_the_engine_learns(tmp_path):
     evals = {r["step"]: r["eval/accuracy"] for r in read_metrics(out / "metrics.jsonl") if "eval/accuracy" in r}
     assert sorted(evals) == [0, 15]
     assert evals[15] >= evals[0] + 0.3, evals  # measured 0.34 -> 0.99 at step 15 (HF backend: 0.34 -> 0.99)
+
+
+@pytest.mark.slow
+def test_a_multi_process_engine_takes_checked_pushes():
+    """The engine with its worker in another process (vLLM's default, and the GPU set-up): full and merged-LoRA
+    pushes reach it and pass the check, its samples score like HF's, and a push missing a weight is caught."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    res = subprocess.run([sys.executable, str(here / "vllm_multiprocess.py")], cwd=here.parent, capture_output=True,
+                         text=True, timeout=600)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert res.returncode == 0 and lines, res.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["in_process"] is False
+    assert out["full_gap"] <= 1e-3 and out["merged_gap"] <= 1e-3
+    assert out["sampled_vs_hf"] <= FP32_TOL
+    assert "did not reach the engine" in out["missed_weight"], out["missed_weight"]

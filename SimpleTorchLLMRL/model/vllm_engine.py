@@ -109,7 +109,14 @@ def _reload_on_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
 def reload_weights(llm, weights: Iterable[tuple[str, torch.Tensor]], timeout: float = PUSH_TIMEOUT_S) -> None:
     """(HF name, tensor) pairs into every worker's model, in place; then drop cached prefixes (stale KV).
 
-    TimeoutError when the push has not returned after `timeout` seconds."""
+    TimeoutError when the push has not returned after `timeout` seconds; RuntimeError, before sending
+    anything, when the engine runs in other processes without `VLLM_ALLOW_INSECURE_SERIALIZATION=1`."""
+    if not in_process(llm) and os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "0") in ("", "0"):
+        raise RuntimeError(
+            "this vLLM engine runs its workers in other processes, and a weight push sends them a callable "
+            "with the tensors, which vLLM only accepts with VLLM_ALLOW_INSECURE_SERIALIZATION=1 set before the "
+            "engine starts (its workers read it then); or run the engine in this process: "
+            "VLLM_ENABLE_V1_MULTIPROCESSING=0, make_llm's default on the CPU build")
     weights = [(name, t.detach()) for name, t in weights]
 
     def push():
