@@ -172,7 +172,8 @@ def train_step(run: Run, step: int, rollouts: list, rewards: torch.Tensor) -> di
     drift = logprob_drift(rollouts, [(b, o.token_logprobs) for b, o in outs]).summary()
     grad_norm = clipped_step(run.optimizer, max_grad_norm=1.0)  # refuses NaN/inf before anything is saved
     run.scheduler.step()
-    run.sampler.sync(run.model)  # vLLM: push the new weights; HF: nothing to do
+    if run.args.async_staleness is None:  # async: the producer pushes the version it samples with
+        run.sampler.sync(run.model)  # vLLM: push the new weights; HF: nothing to do
     stats = episode_stats(rollouts, rewards)
     return {"reward": rewards.mean(), "tool_rate": stats["tool_rate"], "tokens": stats["tokens"],
             "loss": metrics["loss"], "entropy": metrics["entropy"], "clip_frac": metrics["clip_frac"],
@@ -194,10 +195,12 @@ class Evaluator:
 
     def evaluate_at(self, step: int, policy, full: bool = True) -> tuple[dict, list]:
         run, args = self.run, self.run.args
+        # async: the engine holds an older version and belongs to the producer thread; `policy` is this step's
+        engine = None if args.async_staleness is not None else run.sampler.engine
         return evaluate(policy, run.tokenizer, run.env, run.reward_fn, run.held_out, k=args.pass_k,
                         k_problems=min(args.pass_k_size, len(run.held_out)) if full else 0,
                         seed=step_seed(args.seed, step, EVAL_STREAM), temperature=args.temperature,
-                        max_new_tokens=args.max_new_tokens, engine=run.sampler.engine)
+                        max_new_tokens=args.max_new_tokens, engine=engine)
 
     def log(self, step: int, report: dict, rollouts: list) -> None:
         k = self.run.args.pass_k
@@ -253,11 +256,16 @@ def train(run: Run, evaluator: Evaluator) -> tuple[int, list | None]:
     """Steps start+1..steps; returns (exit status, the last step's first group for samples.txt)."""
     args, model = run.args, run.model
     producer = queue = None
-    if args.async_staleness is not None:  # generation in a thread, on a copy of the weights, K versions behind
-        weights = copy.deepcopy(model).eval()
+    if args.async_staleness is not None:  # generation in a thread, with weights K versions behind
+        weights = copy.deepcopy(model).eval()  # HF samples with this copy; vLLM's engine is pushed from it
+
+        def install(state_dict: dict) -> None:  # in the producer thread, between two batches
+            weights.load_state_dict(state_dict)
+            run.sampler.sync(weights)  # vLLM: the engine now holds this version (checked); HF: nothing to do
+
         queue = RolloutQueue(max_staleness=args.async_staleness)
         producer = AsyncProducer(lambda step, version: rollouts_for(run, step, version, weights), queue,
-                                 steps=range(run.start + 1, args.steps + 1), apply=weights.load_state_dict,
+                                 steps=range(run.start + 1, args.steps + 1), apply=install,
                                  version=run.start, history=producer_history(run)).start()
     samples, status = None, 0
     bar = tqdm(range(run.start + 1, args.steps + 1), initial=run.start, total=args.steps, desc="GRPO", unit="step",

@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest for tiny models)")
     p.add_argument("--async-staleness", type=int, default=None, metavar="K",
-                   help="generate in a background thread on a copy of the weights, at most K versions behind "
+                   help="generate in a background thread (HF: on a copy of the weights; vllm: the engine, pushed "
+                        "by that thread), exactly K versions behind "
                         "the trainer (default: synchronous)")
     return p
 
@@ -138,9 +139,6 @@ def check_args(args: argparse.Namespace) -> None:
     if args.async_staleness is not None:
         if args.async_staleness < 0:
             raise UsageError(f"--async-staleness must be >= 0, got {args.async_staleness}")
-        if args.backend != "hf":
-            raise UsageError("--async-staleness runs the HF backend in a thread; with --backend vllm the engine "
-                             "already generates apart from training (see SimpleTorchLLMRL.env.async_rollouts)")
     if args.group_size < 2:
         raise UsageError(f"--group-size must be >= 2 (GRPO compares rollouts within a group), got {args.group_size}")
     if not (args.lr > 0 and math.isfinite(args.lr)):
