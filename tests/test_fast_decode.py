@@ -224,3 +224,27 @@ def test_multi_turn_calculator_episodes_on_the_real_tokenizer():
             if ma.logprobs:
                 assert max(abs(x - y) for x, y in zip(ma.logprobs, mb.logprobs, strict=True)) <= LOGPROB_TOL
     assert turns > len(got["fast"])  # some episodes called the tool and took a second turn
+
+
+def test_only_the_first_shapes_of_a_model_are_compiled(qwen, monkeypatch):
+    """Each turn of multi-turn episodes can bring a new row count; past MAX_COMPILED_SHAPES a model's new shapes
+    run without torch.compile (one warning), and still sample the default path's ids."""
+    import functools
+
+    from SimpleTorchLLMRL.model.fast_decode import _decode_forward
+
+    model, tok = copy_of(qwen)
+    stand_in = functools.partial(_decode_forward)  # counts as "compiled" without paying for a compile
+    monkeypatch.setattr(fast_decode, "compiled_forward", lambda: stand_in)
+    monkeypatch.setattr(fast_decode, "MAX_COMPILED_SHAPES", 1)
+    gen = ModelGenerate(model, tok, max_new_tokens=8, temperature=1.0, seed=0, decode="fast")
+    gen.backend.compile_decode = True
+    gen.generate(questions(2))
+    assert DECODERS[model][1].forward is stand_in
+    gen.generate(questions(2))  # the same shape keeps its compiled forward
+    assert DECODERS[model][1].forward is stand_in
+    with pytest.warns(RuntimeWarning, match="1 batch shapes of this model are compiled already"):
+        gen.generate(questions(3))
+    assert DECODERS[model][1].forward is _decode_forward
+    default, fast = both(model, tok, questions(3), n=1, compile=True, max_new_tokens=8, temperature=1.0)
+    assert_same(default, fast)

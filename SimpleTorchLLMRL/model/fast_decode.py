@@ -39,6 +39,8 @@ import torch
 SLOT_ROUND = 64  # cache slots are rounded up to a multiple of this, so calls with similar lengths share a graph
 CHECK_EVERY = 16  # decode steps between checks for "every row has ended" (one host sync each)
 DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (key, StaticDecoder)
+MAX_COMPILED_SHAPES = 4  # per model: each new (rows, slots) shape compiles once; later ones run graphs only
+_COMPILED_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(rows, slots)}
 
 
 def supports_fast_decode(model) -> bool:
@@ -85,6 +87,21 @@ def compiled_forward():
     if _compiled_forward is None:
         _compiled_forward = torch.compile(_decode_forward, fullgraph=True, dynamic=False)
     return _compiled_forward
+
+
+def may_compile(model, rows: int, slots: int) -> bool:
+    """Whether this shape's decoder gets the compiled forward: the first MAX_COMPILED_SHAPES shapes of a model
+    do (multi-turn episodes give each turn its own row count; each compile takes seconds to minutes)."""
+    shapes = _COMPILED_SHAPES.setdefault(model, set())
+    if (rows, slots) in shapes or len(shapes) < MAX_COMPILED_SHAPES:
+        shapes.add((rows, slots))
+        return True
+    if len(shapes) == MAX_COMPILED_SHAPES:
+        shapes.add(None)  # warned
+        warnings.warn(f"fast decode: {MAX_COMPILED_SHAPES} batch shapes of this model are compiled already; new "
+                      "shapes run their CUDA graph without torch.compile (set fast_decode.MAX_COMPILED_SHAPES to "
+                      "compile more)", RuntimeWarning, stacklevel=3)
+    return False
 
 
 class StaticDecoder:

@@ -155,7 +155,13 @@ class HFBackend:
                      adapter: str | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, n) ids and log-probs from the static-cache decoder of this shape (built, or reused from an
         earlier call on this model: one per model, `fast_decode.DECODERS`)."""
-        from SimpleTorchLLMRL.model.fast_decode import CHECK_EVERY, DECODERS, StaticDecoder, slots_for
+        from SimpleTorchLLMRL.model.fast_decode import (
+            CHECK_EVERY,
+            DECODERS,
+            StaticDecoder,
+            may_compile,
+            slots_for,
+        )
 
         cfg = self.cfg
         B, L = input_ids.shape
@@ -166,6 +172,7 @@ class HFBackend:
         if held is None or held[0] != key:
             self.sleep()  # free the old cache and graph first
             compile = self.compile_decode if self.compile_decode is not None else device.type == "cuda"
+            compile = compile and may_compile(self.model, B, slots)
             held = (key, StaticDecoder(self.model, B, slots, device, graphs=True, compile=compile))
             DECODERS[self.model] = held
         held[1].use_picker(TokenPicker(cfg), (cfg.greedy, cfg.temperature, cfg.top_k, cfg.top_p, cfg.eos_token_ids),
