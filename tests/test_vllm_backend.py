@@ -260,3 +260,10 @@ def test_real_vllm_logprobs_and_weight_push(tmp_path, tok):
     gen_greedy.push_weights(other)
     want = [g[0].token_ids for g in ModelGenerate(other, tok, max_new_tokens=8, do_sample=False).generate(rs)]
     assert [g[0].token_ids for g in gen_greedy.generate(rs)] == want
+
+
+def test_decode_is_the_hf_backends_choice(vllm, tok, model_dir):
+    llm = vllm.LLM(model_dir)
+    assert ModelGenerate(llm, tok, temperature=1.0, decode="auto").backend.llm is llm
+    with pytest.raises(ValueError, match="decode='fast' chooses the HF backend's decode loop"):
+        ModelGenerate(llm, tok, temperature=1.0, decode="fast")

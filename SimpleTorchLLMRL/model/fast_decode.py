@@ -1,10 +1,11 @@
-"""A fast HF decode: a static KV cache, and the whole decode step (pick + forward) as one CUDA graph.
+"""A fast HF decode: a static KV cache, a compiled forward, and each decode step as one CUDA graph replay.
 
 Legend: B rows, L longest prompt, N new tokens, S cache slots (L + N rounded up to SLOT_ROUND), V vocab.
 
 HF `generate` launches every layer's kernels from Python at every step; at 128 rows of a 0.5B model
 the GPU mostly waits for the CPU. Here the prompts are prefilled into a transformers `StaticCache`
-(buffers at fixed addresses), and one decode step is captured once as a CUDA graph and replayed:
+(buffers at fixed addresses); on CUDA the one-token forward is compiled (`torch.compile`, fullgraph,
+which fuses its small kernels) and one decode step is captured once as a CUDA graph and replayed:
 
     tok, logprob, mass = picker.pick(logits)        # (B,) each: the default path's `TokenPicker`, same RNG draws
     ids[:, t], logprobs[:, t] = tok, logprob
@@ -21,10 +22,10 @@ the dynamic one over exactly the tokens so far. What differs: the global RNG str
 call advances by the steps run, which here may be up to CHECK_EVERY - 1 more than the default path's.
 
 Used for models whose `StaticCache` has only full-attention layers (no sliding-window or hybrid
-layers); `supports_fast_decode` says. One `StaticDecoder` (its cache and graph) is kept per model
-(`DECODERS`, shared by every generator of that model, gone with it; `generator.sleep()` frees it), for
-the last (B, S, sampling settings, adapter, weight tensors) seen: a new shape or new weight tensors
-capture again; in-place optimizer steps keep the graph valid.
+layers); `supports_fast_decode` says. One `StaticDecoder` (its cache, compiled forward and graph) is
+kept per model (`DECODERS`, shared by every generator of that model, gone with it; `generator.sleep()`
+frees it), for the last (B, S, adapter, weight tensors) seen: a new one of those builds a new decoder,
+other sampling settings capture a new graph; in-place optimizer steps keep everything valid.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import weakref
 from collections.abc import Callable
 
 import torch
+
+from SimpleTorchLLMRL.model.picker import mass_error
 
 SLOT_ROUND = 64  # cache slots are rounded up to a multiple of this, so calls with similar lengths share a graph
 CHECK_EVERY = 16  # decode steps between checks for "every row has ended" (one host sync each)
@@ -242,8 +245,6 @@ class StaticDecoder:
         self.graph = graph
 
     def _all_ended(self, n: int, row_stopped, stopped: list[bool]) -> bool:
-        from SimpleTorchLLMRL.model.picker import mass_error
-
         error = mass_error(self.bad)
         if error is not None:
             raise error

@@ -100,9 +100,9 @@ class ModelGenerate:
     batch_size: HF backend only, at most this many sequences per `generate` call (None: all at
     once); vLLM schedules its own batches. policy_version: stamped on every sampled message; bump it
     after each optimizer step (the HF backend samples with the live model), `push_weights` bumps it.
-    decode: HF backend only: "fast" (a static KV cache and the decode step as a CUDA graph on GPUs;
-    `fast_decode`), "default" (`model.generate`), "auto" (fast on CUDA where the model allows, else
-    default). Both give the same ids under the same seed.
+    decode: HF backend only: "fast" (a static KV cache; on GPUs a compiled forward and the decode step
+    as a CUDA graph; `fast_decode`), "default" (`model.generate`), "auto" (fast on CUDA where the
+    model allows, else default). Both give the same ids under the same seed.
     """
 
     def __init__(self, model, tokenizer=None, max_new_tokens: int = 50, temperature: float = 0.7,
@@ -128,7 +128,6 @@ class ModelGenerate:
 
             if decode != "auto":
                 raise ValueError(f"decode={decode!r} chooses the HF backend's decode loop; the vLLM engine has its own")
-
             self.backend = VLLMBackend(model, tokenizer, self.config, lora_request=lora_request,
                                        vllm_kwargs=vllm_kwargs)
             tokenizer = self.backend.tokenizer
