@@ -58,3 +58,20 @@ def test_gpu_check_smoke_runs_its_own_parts_on_cpu(tmp_path):
         assert "error" not in res["lora_memory"][kind], res["lora_memory"][kind].get("error")
     assert res["lora_memory"]["lora"]["adapter_dtypes"] == ["torch.bfloat16"]
     assert set(res["goals"]) == {"mfu_loss_backward", "lora_peak_vs_full"}
+
+
+def test_generation_benchmark_times_each_side_and_checks_fast_against_default(tmp_path):
+    import json
+
+    out = tmp_path / "gen.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generation.py"), "--sides", "default", "fast", "loop",
+                        "--batches", "1", "3", "--new-tokens", "6", "--check", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["tokens_per_s"]) == {"default", "fast", "loop"}
+    assert all(rate > 0 for side in res["tokens_per_s"].values() for rate in side.values())
+    assert res["fast_decoder"] == {"cuda_graph": False, "compiled_forward": False, "warnings": []}  # CPU: eager
+    for mode in ("greedy", "sampled"):  # float32 on CPU: the same ids
+        assert res["fast_vs_default"][mode]["rows_identical"] == 1.0
+        assert res["fast_vs_default"][mode]["max_logprob_diff_before_divergence"] < 1e-5
