@@ -13,13 +13,13 @@ import importlib.util
 
 import pytest
 import torch
+from engine_helpers import hf_logprobs, missing_a_weight, perturbed
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
 from SimpleTorchLLMRL.env.ToolQASolve import ToolUseEnv
 from SimpleTorchLLMRL.model.generate import ModelGenerate
-from SimpleTorchLLMRL.model.logprobs import token_logprobs
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 from SimpleTorchLLMRL.tools.calculator import calculator
@@ -50,20 +50,6 @@ def llm():
     del engine
 
 
-def _batch(ids: list[int]):
-    t = torch.tensor([ids])
-
-    class B:
-        input_ids, attention_mask = t, torch.ones_like(t)
-
-    return B
-
-
-def _hf_logprobs(model, prompt: list[int], sampled: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return token_logprobs(model, _batch(prompt + sampled))[0, len(prompt):]
-
-
 def _rollouts(n: int = 3) -> list[Rollout]:
     qs = ["What is 12 + 35?", "What is 645 * 49?", "What is 7 - 9?"]
     return [Rollout([Message(SYSTEM_PROMPT, MessageType.SYSTEM), Message(q)]) for q in qs[:n]]
@@ -80,7 +66,7 @@ def test_sampled_ids_are_kept_and_logprobs_match_hf(llm, hf):
         prompt = encode_prompt(r, tok)
         for m in msgs:
             assert len(m.token_ids) == len(m.logprobs) > 0 and m.temperature == 1.0
-            want = _hf_logprobs(model, prompt, m.token_ids)
+            want = hf_logprobs(model, prompt, m.token_ids)
             worst = max(worst, float((torch.tensor(m.logprobs) - want).abs().max()))
     assert worst <= FP32_TOL, worst
 
@@ -121,15 +107,12 @@ def test_multi_turn_episodes_keep_as_sampled_prompts(llm, hf):
 
 def test_a_full_weight_push_reaches_the_engine_and_is_checked(llm, hf):
     model, tok = hf
-    other = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
+    other = perturbed(model)
     gen = ModelGenerate(llm, tok, max_new_tokens=12, temperature=1.0, seed=2)
     gen.push_weights(other, mode="full")
     assert gen.backend.last_agreement is not None and gen.backend.last_agreement <= 1e-3
     msg = gen.generate(_rollouts(1))[0][0]
-    want = _hf_logprobs(other, encode_prompt(_rollouts(1)[0], tok), msg.token_ids)
+    want = hf_logprobs(other, encode_prompt(_rollouts(1)[0], tok), msg.token_ids)
     assert float((torch.tensor(msg.logprobs) - want).abs().max()) <= FP32_TOL
     gen.push_weights(model, mode="full")  # back to the module's weights for the other tests
 
@@ -143,14 +126,7 @@ def test_a_push_that_misses_a_weight_is_caught(llm, hf, monkeypatch):
     with torch.no_grad():
         for p in other.parameters():
             p.mul_(1.5)
-    real = weight_sync.vllm_weights
-
-    def without_one(m, *a, **k):
-        w = real(m, *a, **k)
-        name = next(n for n in w if "layers.0" in n and n.endswith("down_proj.weight"))
-        return {n: t for n, t in w.items() if n != name}  # e.g. a renamed parameter that never arrives
-
-    monkeypatch.setattr(weight_sync, "vllm_weights", without_one)
+    monkeypatch.setattr(weight_sync, "vllm_weights", missing_a_weight(weight_sync.vllm_weights))
     gen = ModelGenerate(llm, tok, max_new_tokens=8, temperature=1.0)
     with pytest.raises(WeightSyncError, match="did not reach the engine"):
         gen.push_weights(other, mode="full")
@@ -167,7 +143,7 @@ def test_a_merged_lora_push_reaches_the_engine_and_is_checked(llm, hf):
     gen.push_weights(policy, mode="merged")  # LoRA deltas folded into new tensors, the policy untouched
     assert gen.backend.last_agreement <= 1e-3
     msg = gen.generate(_rollouts(1))[0][0]
-    want = _hf_logprobs(policy, encode_prompt(_rollouts(1)[0], tok), msg.token_ids)
+    want = hf_logprobs(policy, encode_prompt(_rollouts(1)[0], tok), msg.token_ids)
     assert float((torch.tensor(msg.logprobs) - want).abs().max()) <= FP32_TOL
     gen.push_weights(model, mode="full")
 
@@ -181,7 +157,7 @@ def test_adapter_push_serves_the_lora_and_is_checked(llm, hf):
     gen.push_weights(policy, mode="adapter")
     assert gen.backend.last_agreement <= 1e-3
     msg = gen.generate(_rollouts(1))[0][0]
-    want = _hf_logprobs(policy, encode_prompt(_rollouts(1)[0], tok), msg.token_ids)
+    want = hf_logprobs(policy, encode_prompt(_rollouts(1)[0], tok), msg.token_ids)
     assert float((torch.tensor(msg.logprobs) - want).abs().max()) <= FP32_TOL
 
 

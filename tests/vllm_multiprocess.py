@@ -15,13 +15,13 @@ os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # our push sends a callab
 
 def main() -> None:
     import torch
+    from engine_helpers import hf_logprobs, missing_a_weight, perturbed
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from SimpleTorchLLMRL.chat.message import Message, Rollout
     from SimpleTorchLLMRL.chat.tokenize import encode_prompt
     from SimpleTorchLLMRL.model import weight_sync
     from SimpleTorchLLMRL.model.generate import ModelGenerate
-    from SimpleTorchLLMRL.model.logprobs import token_logprobs
     from SimpleTorchLLMRL.model.lora import apply_lora
     from SimpleTorchLLMRL.model.vllm_engine import WeightSyncError, in_process, make_llm
     from SimpleTorchLLMRL.testing.tiny import TINY_CALC
@@ -31,33 +31,18 @@ def main() -> None:
     llm = make_llm(TINY_CALC, max_model_len=512, enforce_eager=True)
     out = {"in_process": in_process(llm)}
     torch.manual_seed(0)
-    other = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
+    other = perturbed(model)
     gen = ModelGenerate(llm, tok, max_new_tokens=12, temperature=1.0, seed=2)
     gen.push_weights(other, mode="full")
     out["full_gap"] = gen.backend.last_agreement
     rollout = Rollout([Message("What is 12 + 35?")])
     msg = gen.generate([rollout])[0][0]
-    ids = torch.tensor([encode_prompt(rollout, tok) + list(msg.token_ids)])
-
-    class Batch:
-        input_ids, attention_mask = ids, torch.ones_like(ids)
-
-    with torch.no_grad():
-        want = token_logprobs(other, Batch)[0, -len(msg.token_ids):]
+    want = hf_logprobs(other, encode_prompt(rollout, tok), list(msg.token_ids))
     out["sampled_vs_hf"] = float((torch.tensor(msg.logprobs) - want).abs().max())
     policy = apply_lora(copy.deepcopy(model), r=4, alpha=16, init_lora_weights=False)
     gen.push_weights(policy, mode="merged")
     out["merged_gap"] = gen.backend.last_agreement
-    real = weight_sync.vllm_weights
-
-    def without_one(m, *a, **k):
-        w = real(m, *a, **k)
-        return {n: t for n, t in w.items() if not ("layers.0" in n and n.endswith("down_proj.weight"))}
-
-    weight_sync.vllm_weights = without_one
+    weight_sync.vllm_weights = missing_a_weight(weight_sync.vllm_weights)
     try:
         gen.push_weights(model, mode="full")
         out["missed_weight"] = "not caught"

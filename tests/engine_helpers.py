@@ -1,0 +1,37 @@
+"""Helpers shared by the real-engine tests (tests/test_vllm_real.py and tests/vllm_multiprocess.py)."""
+
+import copy
+
+import torch
+
+from SimpleTorchLLMRL.model.logprobs import token_logprobs
+
+
+def hf_logprobs(model, prompt: list[int], sampled: list[int]) -> torch.Tensor:
+    """The HF model's log-probs of `sampled` after `prompt`, (len(sampled),)."""
+    ids = torch.tensor([prompt + sampled])
+
+    class Batch:
+        input_ids, attention_mask = ids, torch.ones_like(ids)
+
+    with torch.no_grad():
+        return token_logprobs(model, Batch)[0, len(prompt):]
+
+
+def perturbed(model, scale: float = 0.02):
+    """A copy of `model` with Gaussian noise of `scale` added to every weight (torch's global RNG)."""
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return other
+
+
+def missing_a_weight(vllm_weights):
+    """`vllm_weights` without layer 0's MLP down projection: a push that never delivers one weight (as a
+    renamed parameter would)."""
+    def without_one(model, *args, **kwargs):
+        weights = vllm_weights(model, *args, **kwargs)
+        return {n: t for n, t in weights.items() if not ("layers.0" in n and n.endswith("down_proj.weight"))}
+
+    return without_one
