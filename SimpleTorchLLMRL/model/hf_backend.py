@@ -22,6 +22,7 @@ L - 1 tokens run once into a KV cache that is repeated for its rows, and `genera
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -74,20 +75,18 @@ class HFBackend:
 
     def __init__(self, model, tokenizer, cfg: SamplingConfig, batch_size: int | None = None,
                  decode: str = "auto"):
-        from SimpleTorchLLMRL.model.fast_decode import supports_fast_decode
-
         if not hasattr(model, "generate"):
             raise TypeError(f"the HF backend needs a model with .generate(), got {type(model).__name__}")
         if decode not in DECODES:
             raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
-        self.fast_ok = supports_fast_decode(model)
+        self.model = model
         if decode == "fast" and not self.fast_ok:
             raise ValueError(f"decode='fast' needs a decoder-only model whose transformers StaticCache has only "
                              f"full-attention layers; {type(model).__name__} has not (use decode='default')")
         check_vocabulary(model, tokenizer)
         self.decode = decode
         self.compile_decode: bool | None = None  # fast decode: torch.compile its forward (None: on CUDA)
-        self.model, self.tokenizer, self.cfg, self.batch_size = model, tokenizer, cfg, batch_size
+        self.tokenizer, self.cfg, self.batch_size = tokenizer, cfg, batch_size
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad is None:
             raise ValueError("the tokenizer needs a pad_token_id or eos_token_id to left-pad batches")
@@ -130,6 +129,13 @@ class HFBackend:
         finally:
             self.model.train(was_training)
         return [flat[i * n: (i + 1) * n] for i in range(len(prompts))]
+
+    @functools.cached_property
+    def fast_ok(self) -> bool:
+        """Whether the model can take the fast decode (asked once, and only where it may be used)."""
+        from SimpleTorchLLMRL.model.fast_decode import supports_fast_decode
+
+        return supports_fast_decode(self.model)
 
     def uses_fast_decode(self, device: torch.device) -> bool:
         return self.decode == "fast" or (self.decode == "auto" and device.type == "cuda" and self.fast_ok)
