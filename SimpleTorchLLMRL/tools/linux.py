@@ -9,7 +9,8 @@ in a fresh `python -I -S` process. Every call raises OSError (with errno) on fai
     pivot_root(".", ".")                   make the current directory the root
     join_fresh_session_keyring()           keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL)
     prctl(PR_SET_PDEATHSIG, 9)             and the other prctl options below
-    install_seccomp()                      no kernel keyring or inotify, no socket families beyond unix / inet
+    install_seccomp()                      no kernel keyring, inotify, fanotify or dnotify, no socket families
+                                           beyond unix / inet
 """
 
 from __future__ import annotations
@@ -104,19 +105,23 @@ def prctl(option: int, value: int) -> None:
     _check(_libc.prctl(option, value, 0, 0, 0), f"prctl({option})")
 
 
-# ---- seccomp: refuse the kernel keyring, inotify, and socket families beyond unix / inet ----------------------
+# ---- seccomp: refuse the kernel keyring, file watches, and socket families beyond unix / inet ------------------
 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
-_ENOSYS, _EAFNOSUPPORT = 38, 97
-# by machine: AUDIT_ARCH, socket and socketpair, then the syscalls refused with ENOSYS (add_key, request_key,
-# keyctl: the kernel keyring; inotify_init, inotify_init1: watching the host's files being opened)
-_SECCOMP_ARCH = {"x86_64": (0xC000003E, (41, 53), (248, 249, 250, 253, 294)),
-                 "aarch64": (0xC00000B7, (198, 199), (217, 218, 219, 26)),
-                 "arm64": (0xC00000B7, (198, 199), (217, 218, 219, 26))}
+F_NOTIFY = 1026  # fcntl's dnotify command (F_LINUX_SPECIFIC_BASE + 2)
+_EPERM, _ENOSYS, _EAFNOSUPPORT = 1, 38, 97
+# by machine: AUDIT_ARCH; socket and socketpair; the syscalls refused with ENOSYS (add_key, request_key, keyctl:
+# the kernel keyring; inotify_init, inotify_init1: watching the host's files being opened); those refused with
+# EPERM (fanotify_init, fanotify_mark: what the kernel tells an unprivileged caller before 5.13); fcntl (and
+# fcntl64 where the native ABI has it: neither machine does), refused with EPERM for F_NOTIFY (dnotify) only
+_SECCOMP_ARCH = {"x86_64": (0xC000003E, (41, 53), (248, 249, 250, 253, 294), (300, 301), (72,)),
+                 "aarch64": (0xC00000B7, (198, 199), (217, 218, 219, 26), (262, 263), (25,)),
+                 "arm64": (0xC00000B7, (198, 199), (217, 218, 219, 26), (262, 263), (25,))}
 _LD_W_ABS, _JEQ_K, _JGE_K, _RET_K = 0x20, 0x15, 0x35, 0x06
 _RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
 _X32_BIT = 0x40000000
+_ARG0, _ARG1 = 16, 24  # offsets of the low 32 bits of args[0] and args[1] in seccomp_data (little-endian)
 
 
 class _SockFilter(ctypes.Structure):
@@ -146,20 +151,26 @@ def _assemble(lines: list) -> list[tuple[int, int, int, int]]:
 
 def seccomp_program(machine: str) -> list[tuple[int, int, int, int]] | None:
     """The classic-BPF filter as (code, jt, jf, k): the kernel keyring syscalls and inotify fail with ENOSYS
-    (as in a kernel without them), socket / socketpair of a family other than AF_UNIX, AF_INET, AF_INET6
-    with EAFNOSUPPORT (AF_VSOCK ignores network namespaces), other ABIs (i386, x32) with ENOSYS; all else
-    is allowed. None on machines whose syscall numbers are not listed."""
+    (as in a kernel without them); fanotify_init, fanotify_mark and fcntl(fd, F_NOTIFY, ...) with EPERM (no
+    watching exposed host files: other fcntl commands pass); socket / socketpair of a family other than
+    AF_UNIX, AF_INET, AF_INET6 with EAFNOSUPPORT (AF_VSOCK ignores network namespaces); other ABIs (i386,
+    x32) with ENOSYS; all else is allowed. None on machines whose syscall numbers are not listed."""
     if machine not in _SECCOMP_ARCH:
         return None
-    arch, sockets, refused = _SECCOMP_ARCH[machine]
+    arch, sockets, enosys, eperm, fcntls = _SECCOMP_ARCH[machine]
     x32 = _X32_BIT if machine == "x86_64" else 0xFFFFFFFF
     lines = [(_LD_W_ABS, None, None, 4), (_JEQ_K, "native", "enosys", arch), ("label", "native"),
              (_LD_W_ABS, None, None, 0), (_JGE_K, "enosys", None, x32)]
-    lines += [(_JEQ_K, "enosys", None, nr) for nr in refused]
+    lines += [(_JEQ_K, "enosys", None, nr) for nr in enosys]
+    lines += [(_JEQ_K, "eperm", None, nr) for nr in eperm]
+    lines += [(_JEQ_K, "fcntl", None, nr) for nr in fcntls]
     lines += [(_JEQ_K, "family", None, nr) for nr in sockets]
-    lines += [(_RET_K, None, None, _RET_ALLOW), ("label", "family"), (_LD_W_ABS, None, None, 16)]  # args[0]
+    lines += [(_RET_K, None, None, _RET_ALLOW), ("label", "family"), (_LD_W_ABS, None, None, _ARG0)]
     lines += [(_JEQ_K, "allow", None, family) for family in (AF_UNIX, AF_INET, AF_INET6)]
-    lines += [(_RET_K, None, None, _RET_ERRNO | _EAFNOSUPPORT), ("label", "allow"), (_RET_K, None, None, _RET_ALLOW),
+    lines += [(_RET_K, None, None, _RET_ERRNO | _EAFNOSUPPORT),
+              ("label", "fcntl"), (_LD_W_ABS, None, None, _ARG1), (_JEQ_K, "eperm", "allow", F_NOTIFY),
+              ("label", "allow"), (_RET_K, None, None, _RET_ALLOW),
+              ("label", "eperm"), (_RET_K, None, None, _RET_ERRNO | _EPERM),
               ("label", "enosys"), (_RET_K, None, None, _RET_ERRNO | _ENOSYS)]
     return _assemble(lines)
 

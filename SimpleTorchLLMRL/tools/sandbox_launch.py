@@ -120,7 +120,7 @@ def _confine_and_exec(cfg, control):
         if abi > 0:
             landlock.restrict_writes(workdir, also_writable=tuple(cfg.get("writable", [])),
                                      allow_network=_one(cfg, "network") == "1", abi=abi)
-        linux.install_seccomp()  # no kernel keyring or inotify, no socket families beyond unix / inet
+        linux.install_seccomp()  # no kernel keyring, inotify, fanotify or dnotify; sockets of unix / inet only
         secret, report = _one(cfg, "secret_fd"), _one(cfg, "report_fd")
         if secret is not None:  # the program's private pipes become fds 3 and 4
             moved = [fcntl.fcntl(int(fd), fcntl.F_DUPFD, 10) for fd in (secret, report)]  # clear of 3 and 4
