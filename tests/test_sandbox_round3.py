@@ -92,6 +92,34 @@ def test_ordinary_fcntl_still_works():
     assert all(v == "True" for v in lines.values()), result.stdout
 
 
+CGROUP = r'''
+import os
+print(open("/proc/self/cgroup").read(), end="")
+print(open("/proc/1/cgroup").read(), end="")
+print("ns", os.readlink("/proc/self/ns/cgroup"))
+'''
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/ns/cgroup"), reason="this kernel has no cgroup namespaces")
+def test_a_run_does_not_see_the_hosts_cgroup_path():
+    """Before, /proc/self/cgroup in a run read e.g. `4:memory:/<host's cgroup>/stlr-sandbox-<id>`."""
+    with open("/proc/self/cgroup") as f:
+        host_paths = {line.split(":", 2)[2] for line in f.read().splitlines()} - {"/"}
+    result = PythonSandbox(timeout=10, isolation="namespaces").run(CGROUP)
+    if result.error and "namespaces are unavailable" in result.error:
+        pytest.skip(result.error)  # the process fallback shares the host's /proc
+    assert result.ok, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    ns = [line for line in lines if line.startswith("ns ")]
+    assert ns and ns[0].split()[1] != os.readlink("/proc/self/ns/cgroup"), result.stdout  # a namespace of its own
+    seen = [line.split(":", 2)[2] for line in lines if not line.startswith("ns ")]
+    assert seen, result.stdout
+    for path in host_paths:
+        assert path not in result.stdout, result.stdout
+    assert all(p == "/" for p in seen), result.stdout  # the run's cgroup is the namespace's root
+    assert "stlr-sandbox" not in result.stdout
+
+
 SENDER = r'''
 import os, sys, time
 time.sleep(1.0)

@@ -11,8 +11,9 @@ that measure them):
 
 - isolation="namespaces" (the default wherever the kernel allows it, as root or through an
   unprivileged user namespace): each run gets its own PID, mount, IPC, UTS and network
-  namespaces. Its first process is the namespace's init: when the program ends or the
-  timeout strikes, the kernel kills every process of the run, wherever it hid. The run sees
+  namespaces, and a cgroup namespace rooted at its own cgroup (/proc/self/cgroup reads "/", not
+  the host's path; Linux >= 4.6). Its first process is the namespace's init: when the program
+  ends or the timeout strikes, the kernel kills every process of the run, wherever it hid. The run sees
   a new root: read-only system directories and interpreter, a fresh /proc, an empty
   working directory on a size-limited tmpfs, nothing else (no /root, /home, /tmp or
   project files). As root, a cgroup puts one memory and one process limit on the whole tree.
@@ -22,9 +23,10 @@ that measure them):
 - Always: the code arrives on stdin as a sealed read-only memfd (never in argv, not on the host disk), `python -I`, a
   scrubbed environment, rlimits (CPU, address space, file size, processes, open files, no
   core), a fresh session keyring, no_new_privs, a seccomp filter (x86-64, aarch64: no kernel
-  keyring or inotify syscalls, sockets of AF_UNIX / AF_INET / AF_INET6 only), Landlock where the kernel has
-  it (writes only in the working directory, no TCP, no signals out), a wall-clock timeout, output read
-  with a cap, and a clean-up that never waits on the program.
+  keyring, inotify, fanotify or dnotify (fcntl F_NOTIFY; other fcntl commands pass), sockets of
+  AF_UNIX / AF_INET / AF_INET6 only), Landlock where the kernel has it (writes only in the working
+  directory, no TCP, no signals out), a wall-clock timeout, output read with a cap, and a clean-up
+  that never waits on the program.
 - As root the program runs as an unprivileged uid: a fresh one per run (run_as="auto") or
   `run_as`. `run_as=None` as root keeps root, and then nothing is contained.
 """

@@ -8,7 +8,8 @@ isolation=namespaces, three stages:
      namespaces (plus a user namespace when not root), every mount made private; forks B, reports
      B's pid, waits for B without reaping it (so B's pid stays valid for the caller to kill),
      then waits to be killed.
-  B  (PID 1 of the new PID namespace): joins the run's cgroup, builds a new root on a tmpfs
+  B  (PID 1 of the new PID namespace): joins the run's cgroup, then a new cgroup namespace rooted
+     there (where the kernel has them), builds a new root on a tmpfs
      (read-only binds of the system directories and of the interpreter, a fresh /proc, a few
      /dev nodes, an empty working directory), pivots into it and forks C. When C ends, B reports
      C's wait status and exits: the kernel then kills everything left in the namespace.
@@ -218,6 +219,10 @@ def _init(cfg, control, lifeline):
                     f.write("-1000")
             except OSError:
                 pass
+        try:  # after joining: the run's cgroup becomes the root of its view (/proc/self/cgroup: "/" on each line)
+            linux.unshare(linux.NEWCGROUP)
+        except OSError:  # a kernel without cgroup namespaces (< 4.6): the run sees its cgroup's full path
+            pass
         step = "building the run's root"
         _build_root(cfg)
     except OSError as e:
