@@ -7,7 +7,14 @@ r"""Issue 16, items 10 and 13: no unearned math reward, in both modes; the fallb
 import pytest
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
-from SimpleTorchLLMRL.reward import BoxedReward, gold_answer, math_equal, math_verify_available
+from SimpleTorchLLMRL.reward import (
+    BoxedReward,
+    ExactMatch,
+    TokenF1,
+    gold_answer,
+    math_equal,
+    math_verify_available,
+)
 from SimpleTorchLLMRL.reward import math as rmath
 from tests.math_verify_cases import agreement, load_cases
 
@@ -93,3 +100,80 @@ def test_no_reward_for_any_expected_false_case_of_math_verify(mode):
 def test_agreement_with_math_verify_expected_verdicts():
     share, _, misses = agreement(None)
     assert len(load_cases()) == 270 and share >= 0.97, [(c["gold_answer"], c["pred_answer"]) for c in misses]
+
+
+# ------------------------------------------------------------------ issue 34: a missing ground truth is no answer
+
+def _missing_golds():
+    """Ground truths that are no answer: what pandas gives for an empty cell, None, blank text, empty lists."""
+    import numpy as np
+    import pandas as pd
+
+    return [
+        pytest.param(float("nan"), "NaN", id="float-nan"),
+        pytest.param(np.float64("nan"), "NaN", id="numpy-float64-nan"),
+        pytest.param(np.float32("nan"), "NaN", id="numpy-float32-nan"),
+        pytest.param(pd.read_csv(__import__("io").StringIO("q,a\nx,\n")).a[0], "NaN", id="pandas-empty-cell"),
+        pytest.param(pd.NA, "pandas <NA>", id="pandas-NA"),
+        pytest.param(pd.NaT, "pandas NaT", id="pandas-NaT"),
+        pytest.param(None, "None", id="None"),
+        pytest.param("", "blank string", id="empty-string"),
+        pytest.param(" \n", "blank string", id="blank-string"),
+        pytest.param([], "empty list", id="empty-list"),
+        pytest.param(["12", np.nan], "answer 1 of its list is NaN", id="nan-in-list"),
+        pytest.param(("12", pd.NA), "answer 1 of its list is pandas <NA>", id="NA-in-tuple"),
+    ]
+
+
+def _answer_like(gold):
+    """What a naive reward reads the missing gold as (its str), so that matching it would earn a reward."""
+    return str(gold[-1] if isinstance(gold, (list, tuple)) and gold else gold)
+
+
+def _batch_with(text, gold):
+    """Row 0 is fine; row 1 carries the missing gold."""
+    good = Rollout([Message("question"), Message(r"\boxed{7} 7", MessageType.MODEL)])
+    bad = Rollout([Message("question"), Message(text, MessageType.MODEL)])
+    return [good, bad], ["7", gold]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("gold", "what"), _missing_golds())
+def test_boxed_reward_refuses_a_missing_gold_naming_the_row(gold, what, mode):
+    rollouts, golds = _batch_with(rf"\boxed{{{_answer_like(gold)}}}", gold)
+    with pytest.raises(ValueError, match=rf"ground truth of row 1 is missing: .*{what}"):
+        BoxedReward(use_math_verify=mode)(rollouts, golds)
+
+
+@pytest.mark.parametrize("reward_cls", [ExactMatch, TokenF1])
+@pytest.mark.parametrize(("gold", "what"), _missing_golds())
+def test_text_rewards_refuse_a_missing_gold_naming_the_row(gold, what, reward_cls):
+    rollouts, golds = _batch_with(_answer_like(gold), gold)  # "NaN" against NaN scored 1.0
+    with pytest.raises(ValueError, match=rf"ground truth of row 1 is missing: .*{what}"):
+        reward_cls()(rollouts, golds)
+
+
+@pytest.mark.parametrize("reward", [BoxedReward(use_math_verify=False), ExactMatch(), TokenF1()], ids=str)
+def test_a_missing_gold_is_refused_whatever_the_model_wrote(reward):
+    no_answer = Rollout([Message("question"), Message("I do not know", MessageType.MODEL)])
+    silent = Rollout([Message("question")])  # no MODEL message at all
+    for rollouts in ([no_answer], [silent]):
+        with pytest.raises(ValueError, match="row 0 is missing: it is NaN"):
+            reward(rollouts, [float("nan")])
+    with pytest.raises(ValueError, match="needs ground_truths"):
+        reward([no_answer], None)
+
+
+def test_real_answers_still_score_as_before():
+    def ro(text):
+        return Rollout([Message("question"), Message(text, MessageType.MODEL)])
+
+    boxed_ = BoxedReward(use_math_verify=False)
+    assert boxed_([ro(r"\boxed{3}"), ro(r"\boxed{0}"), ro(r"\boxed{5}"), ro("no box")],
+                  [3.0, 0, ["4", "5"], "1"]).tolist() == [1.0, 1.0, 1.0, 0.0]
+    # the text "nan" is an answer like any other (a question about IEEE floats); only a float NaN is missing
+    assert ExactMatch()([ro("NaN"), ro("nan"), ro("Paris")], ["nan", "NaN", ("London", "Paris")]).tolist() == [1, 1, 1]
+    assert TokenF1()([ro("nan value"), ro("0")], ["NaN", 0]).tolist() == [pytest.approx(2 / 3), 1.0]
+    assert boxed_.is_correct("7", ["7"]) and not boxed_.is_correct("7", "8")
+    with pytest.raises(ValueError, match="a ground truth is missing: it is NaN"):  # called alone: no row to name
+        boxed_.is_correct("nan", float("nan"))

@@ -150,10 +150,11 @@ def test_arbitrary_text_never_raises(text):
     extract_boxed(text)
     normalize_math(text)
     r = BoxedReward(correct=2.0, incorrect=-1.0, no_answer=-0.5, use_math_verify=False)
-    out = r([ro(text), ro(rf"\boxed{{{text}}}")], ["1", text])
+    gold = text if text.strip() else "1"  # a blank gold is refused (issue 34); any other text is an answer
+    out = r([ro(text), ro(rf"\boxed{{{text}}}")], ["1", gold])
     assert out.shape == (2,) and set(out.tolist()) <= {2.0, -1.0, -0.5}
     for reward in (TokenF1(extract=r"<a>(.*)</a>"), ExactMatch(keep_numbers=True), FormatReward.from_tags(["a"])):
-        assert 0.0 <= reward([ro(text)], [text or "x"]).item() <= 1.0
+        assert 0.0 <= reward([ro(text)], [text if text.strip() else "x"]).item() <= 1.0
 
 
 # ------------------------------------------------------------------ math-verify integration
@@ -272,7 +273,9 @@ def test_reward_batch_errors():
     assert r([], []).shape == (0,)
     with pytest.raises(ValueError, match="ground truth"):
         r([ro(r"\boxed{1}")], [None])
-    assert r([Rollout()], [None]).tolist() == [0.0]  # no MODEL message: the failure value, no questions asked
+    with pytest.raises(ValueError, match="row 0 is missing"):  # refused whatever the model wrote (issue 34)
+        r([Rollout()], [None])
+    assert r([Rollout()], ["1"]).tolist() == [0.0]  # no MODEL message: the failure value
     with pytest.raises(ValueError, match="correct"):
         BoxedReward(correct=float("nan"))
     with pytest.raises(ValueError, match="use_math_verify"):

@@ -6,6 +6,11 @@ A reward reads the final MODEL message of each rollout (`Rollout.last(MessageTyp
 A rollout without one scores the reward's failure value; it never raises. Mismatched
 lengths of `rollouts` and `ground_truths` raise ValueError.
 
+A reward that scores against answers (`needs_ground_truth = True`) refuses a missing one
+before scoring anything, whatever the model wrote: None, a float NaN (pandas' empty cell),
+pandas NA / NaT, a blank string, an empty list, or such a value inside a list of acceptable
+answers (`answers_of`). The text "nan" is an answer like any other.
+
 `Reward` is a convenience base: subclasses implement `score(message, ground_truth)`
 for one rollout. Any callable with the same batched signature works wherever a
 reward is expected (e.g. in `CombinedReward`).
@@ -14,7 +19,9 @@ reward is expected (e.g. in `CombinedReward`).
 from __future__ import annotations
 
 import math
+import numbers
 import re
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,6 +52,46 @@ def check_batch(rollouts: Sequence[Rollout], ground_truths: Sequence[Any] | None
     return gts
 
 
+def missing_reason(value: Any) -> str | None:
+    """Why `value` is no answer at all (None, NaN, pandas NA / NaT, blank text), or None when it is one.
+
+    A NaN is any number unequal to itself (float, numpy, Decimal); a string is never NaN:
+    "nan" is text a model can be asked to write.
+    """
+    if value is None:
+        return "None"
+    if isinstance(value, str):
+        return None if value.strip() else f"a blank string {value!r}"
+    if isinstance(value, numbers.Number) and value != value:
+        return f"NaN ({type(value).__name__}; pandas reads an empty cell as NaN)"
+    pd = sys.modules.get("pandas")  # a pandas NA exists only once pandas is imported
+    if pd is not None and (value is pd.NA or value is pd.NaT):
+        return f"pandas {value!r} (a missing value)"
+    return None
+
+
+def answers_of(ground_truth: Any, row: int | None = None) -> list[Any]:
+    """The acceptable answers one ground truth gives (a list or tuple of them, or one answer).
+
+    ValueError, naming `row` (the index in the batch) and what is wrong, when it is missing
+    (see `missing_reason`), is an empty list, or holds a missing answer.
+    """
+    where = "a ground truth" if row is None else f"the ground truth of row {row}"
+    if isinstance(ground_truth, (list, tuple)):
+        if not ground_truth:
+            raise ValueError(f"{where} is missing: it is an empty list; give at least one acceptable answer")
+        for k, answer in enumerate(ground_truth):
+            reason = missing_reason(answer)
+            if reason is not None:
+                raise ValueError(f"{where} is missing: answer {k} of its list is {reason}; "
+                                 f"every rollout needs its answer, got {ground_truth!r}")
+        return list(ground_truth)
+    reason = missing_reason(ground_truth)
+    if reason is not None:
+        raise ValueError(f"{where} is missing: it is {reason}; every rollout needs its answer")
+    return [ground_truth]
+
+
 def as_reward_tensor(values: Sequence[float]) -> torch.Tensor:
     """(B,) float32 tensor from Python floats."""
     return torch.tensor([float(v) for v in values], dtype=torch.float32)  # (B,)
@@ -59,17 +106,24 @@ def check_finite(name: str, value: float) -> float:
 class Reward:
     """Base class. `__call__(rollouts, ground_truths) -> (B,) float32` via per-rollout `score`.
 
-    `failure_value` is returned for a rollout with no MODEL message.
+    `failure_value` is returned for a rollout with no MODEL message. With `needs_ground_truth`
+    every row's ground truth is checked (`answers_of`) before any rollout is scored.
     """
 
     name: str = "reward"
     failure_value: float = 0.0
+    needs_ground_truth: bool = False
 
     def score(self, message: Message, ground_truth: Any, rollout: Rollout) -> float:
         raise NotImplementedError
 
     def __call__(self, rollouts: Sequence[Rollout], ground_truths: Sequence[Any] | None = None) -> torch.Tensor:
         gts = check_batch(rollouts, ground_truths)
+        if self.needs_ground_truth:
+            if ground_truths is None:
+                raise ValueError(f"the {self.name} reward needs ground_truths, one answer per rollout; got None")
+            for row, gt in enumerate(gts):
+                answers_of(gt, row)
         out = []
         for rollout, gt in zip(rollouts, gts, strict=True):
             msg = final_model_message(rollout)

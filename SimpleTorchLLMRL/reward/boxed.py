@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from SimpleTorchLLMRL.chat.message import Message, Rollout
-from SimpleTorchLLMRL.reward.base import Reward, check_finite
+from SimpleTorchLLMRL.reward.base import Reward, answers_of, check_finite
 from SimpleTorchLLMRL.reward.math import boxed_answer, math_equal
 
 
@@ -50,11 +50,13 @@ class BoxedReward(Reward):
     correct / incorrect / no_answer: the values for a matching box, a wrong box,
     and no (or an empty) box or no MODEL message at all. `use_math_verify`:
     None = when installed, True = required, False = normalizer only.
-    A ground truth may be a list of acceptable answers (any match counts).
+    A ground truth may be a list of acceptable answers (any match counts); a missing one (None, NaN,
+    blank) is refused for every row before anything is scored (`reward.base.answers_of`).
     `timeout`: seconds math-verify may spend on one answer (its worker process is killed past it).
     """
 
     name = "boxed"
+    needs_ground_truth = True
 
     def __init__(self, correct: float = 1.0, incorrect: float = 0.0, no_answer: float = 0.0,
                  use_math_verify: bool | None = None, rel_tol: float = 1e-9, timeout: float = 5.0):
@@ -85,9 +87,7 @@ class BoxedReward(Reward):
         return boxed_answer(text)
 
     def is_correct(self, prediction: str | None, ground_truth: Any) -> bool:
-        golds = ground_truth if isinstance(ground_truth, (list, tuple)) else [ground_truth]
-        if not golds or any(g is None for g in golds):
-            raise ValueError(f"BoxedReward needs a ground truth for every rollout, got {ground_truth!r}")
+        golds = answers_of(ground_truth)
         return any(
             math_equal(prediction, gold_answer(g), use_math_verify=self.use_math_verify, rel_tol=self.rel_tol,
                        timeout=self.timeout)

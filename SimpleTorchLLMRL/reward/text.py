@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from SimpleTorchLLMRL.chat.message import Message, Rollout
-from SimpleTorchLLMRL.reward.base import Reward, check_finite, make_extractor
+from SimpleTorchLLMRL.reward.base import Reward, answers_of, check_finite, make_extractor
 
 _PUNCT = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -61,20 +61,11 @@ def f1_score(prediction: str, ground_truth: str, keep_numbers: bool = False) -> 
     return 2 * precision * recall / (precision + recall)
 
 
-def _golds(ground_truth: Any) -> list[str]:
-    if ground_truth is None:
-        raise ValueError("this reward needs a ground truth for every rollout, got None")
-    if isinstance(ground_truth, (list, tuple)):
-        if not ground_truth:
-            raise ValueError("a ground truth list of acceptable answers must not be empty")
-        return [str(g) for g in ground_truth]
-    return [str(ground_truth)]
-
-
 class _TextMatch(Reward):
     """Shared config: extraction, number-keeping normalization, and the no-answer value."""
 
     metric: Callable[[str, str, bool], float]
+    needs_ground_truth = True
 
     def __init__(self, extract: str | Callable[[str], str | None] | None = None, keep_numbers: bool = False,
                  scale: float = 1.0, no_answer: float = 0.0, name: str | None = None):
@@ -95,7 +86,7 @@ class _TextMatch(Reward):
         return self._extract(text)
 
     def score(self, message: Message, ground_truth: Any, rollout: Rollout) -> float:
-        golds = _golds(ground_truth)
+        golds = [str(g) for g in answers_of(ground_truth)]
         answer = self.extract(message.content)
         if answer is None:
             return self.no_answer
