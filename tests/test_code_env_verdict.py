@@ -7,7 +7,7 @@ from fd 0 scored 1.0."""
 import pytest
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
-from SimpleTorchLLMRL.env.code import CodeEnv, SplitTests, split_tests
+from SimpleTorchLLMRL.env.code import CodeEnv
 from SimpleTorchLLMRL.env.ToolQASolve import ToolEpisode
 from SimpleTorchLLMRL.tools.sandbox import PythonSandbox
 
@@ -73,8 +73,9 @@ def test_the_expected_values_never_enter_the_sandbox(env, monkeypatch):
 
     monkeypatch.setattr(PythonSandbox, "run", spy)
     assert reward(env, RIGHT, "assert add(123, 456) == 579\nassert add(7, 8) == 15") == 1.0
-    assert programs and all("579" not in p and "15" not in p for p in programs)
-    assert all("add(123, 456)" in p for p in programs)  # the inputs do
+    jobs = [p.rsplit("\n_stlr_main(", 1)[1] for p in programs]  # the job: everything but the harness's code
+    assert jobs and all(x not in job for job in jobs for x in ("579", hex(579), "15", '"0xf"'))
+    assert all(hex(123) in job and hex(456) in job for job in jobs)  # the inputs do, as typed data
 
 
 def test_plain_data_results_compare_like_python(env):
@@ -99,13 +100,3 @@ def test_partial_credit_when_asked():
     assert reward(env, RIGHT) == 1.0
     with pytest.raises(ValueError, match="'all' or 'fraction'"):
         CodeEnv(reward="most")
-
-
-def test_which_tests_split():
-    assert split_tests(TESTS) == SplitTests(("add(2, 3)", "add(-1, 1)", "add(10, 20)"), (5, 0, 30))
-    assert split_tests("assert f([1, 2]) == [2, 1]").expected == ([2, 1],)
-    for other in ("assert add(2, 3) > 4", "x = add(1, 2)\nassert x == 3", "assert add(1, 2) == y",
-                  "assert add(1, 2) == 3 == 3", "import math\nassert f() == 1", "not python (", ""):
-        assert split_tests(other) is None, other  # these run inside, as before (module docstring)
-    assert split_tests([{"stdin": "1", "stdout": "1"}]).stdio
-    assert split_tests([{"stdin": 1, "stdout": "1"}]) is None

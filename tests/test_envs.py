@@ -151,8 +151,8 @@ def test_code_env_reward_cases(code_env):
     assert code_env.reward(wrong, wrong.metadata["env_state"]) == 0.0
     none, _ = run_scripted(code_env, "q", TESTS, ["no code at all"])
     assert code_env.reward(none, none.metadata["env_state"]) == 0.0
-    untested, _ = run_scripted(code_env, "q", None, [GOOD])
-    assert code_env.reward(untested, untested.metadata["env_state"]) is None
+    with pytest.raises(ValueError, match="code tests are missing"):  # no tests, no reward: refused at setup
+        run_scripted(code_env, "q", None, [GOOD])
     single = CodeEnv(PythonSandbox(timeout=5), run_code=False)
     rollout, done = run_scripted(single, "q", TESTS, [GOOD])
     assert done and roles(rollout)[-1] is MessageType.MODEL and single.reward(rollout, rollout.metadata["env_state"]) == 1.0

@@ -147,8 +147,8 @@ def test_5_deep_directory_nesting_does_not_raise(monkeypatch):
         out, _ = bounded(lambda: CodeTrigger(box).trigger(f"```python\n{DEEP}```\n"), 30)
         assert "deep" in out
         env = CodeEnv(box)
-        rollout = Rollout([Message(f"```python\n{DEEP}```", MessageType.MODEL)])
-        reward, _ = bounded(lambda: env.reward(rollout, ToolEpisode(answer="assert True")), 30)
+        rollout = Rollout([Message(f"```python\n{DEEP}def f():\n    return 1\n```", MessageType.MODEL)])
+        reward, _ = bounded(lambda: env.reward(rollout, ToolEpisode(answer="assert f() == 1")), 30)
         assert reward == 1.0
         assert os.listdir(scratch) == []  # nothing left behind
     finally:

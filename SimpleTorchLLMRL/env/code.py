@@ -1,159 +1,87 @@
-"""`CodeEnv`: the model writes Python, the sandbox runs it, tests decide the reward.
+"""`CodeEnv`: the model writes Python, the sandbox runs it, and the verdict is taken outside.
 
     env = CodeEnv(max_turns=3)
-    rollouts = collect_rollouts(gen, env, tasks, tests)      # tests: assert-based Python source
-    rewards = torch.tensor([env.reward(r, r.metadata["env_state"]) for r in rollouts])
+    rows = [...]                                              # HumanEval / MBPP / APPS / TACO / LiveCodeBench rows
+    rollouts = collect_rollouts(gen, env, [CodeTests.from_answer(r).question for r in rows], rows)
+    scores = env.score(rollouts)                              # the sandbox runs in parallel (workers=...)
+    scores.rewards, scores.metrics, scores.verdicts           # (B,) tensor, counts, one Verdict per rollout
 
-Each MODEL turn's ```python blocks run in the sandbox (each block in a fresh
-process) and their output comes back as TOOL messages; the episode ends after a
-turn without a code block, or after `max_turns` MODEL turns. `reward` runs the
-last code block the model wrote against the row's answer, in one of two ways:
+Each MODEL turn's ```python blocks run in the sandbox (each block in a fresh process)
+and their output comes back as TOOL messages; the episode ends after a turn without a
+code block, or after `max_turns` MODEL turns. The reward tests the last code block the
+model wrote against the row's tests, read by the data set's format (code_formats.py:
+HumanEval, MBPP, APPS / TACO, LiveCodeBench, assert lines, stdin/stdout cases; any
+other shape is a ValueError at `setup`, never a reward).
 
-- **Outputs compared outside** (hack-proof): when every test is `assert EXPR == VALUE`
-  with VALUE a plain literal (numbers, strings, bools, None, lists / tuples / dicts /
-  sets of them), or the answer is a list of `{"stdin": ..., "stdout": ...}` cases. The
-  expected values never enter the sandbox: it runs the solution, evaluates each EXPR
-  (or runs the solution on each stdin), and sends back the `repr` of each result (or
-  the captured stdout) on its private channel; the caller reads them back as plain data
-  (`ast.literal_eval`) and compares. Nothing the solution patches, reads or prints
-  inside the sandbox can make a wrong answer equal the expected one, and a result that
-  is not plain data (an object equal to everything) scores 0.
-- **Tests run inside** (any other test code): the solution, then the tests, in one
-  namespace; 1.0 only when the tests ran to their end, proven by a per-run nonce the
-  harness writes to the private channel after the last test (an early exit scores 0.0).
-  Not covered in this mode: a solution written against the harness itself (reading its
-  frame or file descriptors, patching builtins the tests use), and tests that a crafted
-  return value satisfies.
+No verdict is taken inside the sandbox. There the program only computes values: the
+calls the tests make of the solution, with their results sent back as typed data
+(code_codec.py), or, for stdin/stdout cases, what the program printed for each input.
+The comparisons (`==`, tolerances, `in`, `is True`, HumanEval's `check` asserts, the
+data set's output rule) run here, on that data (code_replay.py, code_tests.py). The
+expected values never enter the sandbox, so nothing the solution patches, reads, forges
+or prints there can make a wrong answer right, and a result that is not plain data (an
+object equal to everything) scores 0.
 
-`reward="fraction"` gives the fraction of tests passed (outputs compared outside only;
-inside, all or nothing).
+Tests whose calls depend on the solution's own results cannot be split that way: they
+pay nothing (`unsplit="zero"`, counted in the metrics, with one warning per env) unless
+`unsplit="inside"` runs them after the solution in its namespace, where they pay only
+when at least one assert ran and the run reached its end (a solution written against
+the harness can fake that: an explicit opt-in).
+
+`reward` (one rollout) and `score` (a batch) never raise on anything the program writes,
+prints, forges or exits with: such a run scores 0 and its `Verdict.reason` says why.
+`reward="fraction"` pays the fraction of tests passed instead of all or nothing.
 """
 
 from __future__ import annotations
 
-import ast
-import dataclasses
+import functools
 import json
+import os
+import re
 import secrets
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
+import torch
+
 from SimpleTorchLLMRL.chat.message import MessageType, Rollout
+from SimpleTorchLLMRL.env.code_codec import CodecError, decode
+from SimpleTorchLLMRL.env.code_formats import from_answer
+from SimpleTorchLLMRL.env.code_tests import CodeTests
 from SimpleTorchLLMRL.env.ToolQASolve import ToolEpisode, ToolUseEnv
 from SimpleTorchLLMRL.tools.parsers import CodeBlockParser
 from SimpleTorchLLMRL.tools.registry import ToolRegistry
 from SimpleTorchLLMRL.tools.sandbox import PythonSandbox, python_tool
+from SimpleTorchLLMRL.utils.warn import warn_user
 
 DEFAULT_CODE_PROMPT = (
     "You are a careful Python programmer. Write your solution in a ```python code block. "
     "Each block is run and what it prints comes back to you, so you can test your code. "
     "Your last code block is checked against hidden tests."
 )
-
-# fd 3: the nonce (read once, then closed); fd 4: where it goes once the last test has passed
-_HARNESS = """\
-import os as _os
-def _stlr_check(solution, tests, write=_os.write, close=_os.close, read=_os.read):
-    nonce = read(3, 64)
-    close(3)
-    namespace = {{"__name__": "__main__", "__builtins__": __builtins__}}
-    exec(compile(solution, "<solution>", "exec"), namespace)
-    exec(compile(tests, "<tests>", "exec"), namespace)
-    write(4, nonce)
-_stlr_check({solution!r}, {tests!r})
-"""
-
-
-# fd 3: the nonce; fd 4: nonce, newline, then the JSON list of [status, repr or stdout] per case
-_OUTPUTS = """\
-import os as _os, json as _json, io as _io, sys as _sys
-def _stlr_outputs(solution, cases, stdio, write=_os.write, close=_os.close, read=_os.read, dumps=_json.dumps,
-                  StringIO=_io.StringIO, sys=_sys, repr=repr, compile=compile, exec=exec, eval=eval, str=str,
-                  type=type, BaseException=BaseException, SystemExit=SystemExit):
-    nonce = read(3, 64)
-    close(3)
-    out = []
-    def run(src, mode, namespace):
-        code = compile(src, "<solution>" if mode == "exec" else "<test>", mode)
-        return exec(code, namespace) if mode == "exec" else eval(code, namespace)
-    if stdio:
-        for stdin in cases:
-            saved = sys.stdin, sys.stdout
-            sys.stdin, sys.stdout = StringIO(stdin), StringIO()
-            try:
-                run(solution, "exec", {{"__name__": "__main__", "__builtins__": __builtins__}})
-                out.append(["ok", sys.stdout.getvalue()])
-            except SystemExit as e:  # sys.exit() / exit(0) ends a stdin program normally
-                out.append(["ok" if e.code in (None, 0) else "error", sys.stdout.getvalue()])
-            except BaseException as e:
-                out.append(["error", type(e).__name__])
-            finally:
-                sys.stdin, sys.stdout = saved
-    else:
-        namespace = {{"__name__": "__main__", "__builtins__": __builtins__}}
-        try:
-            run(solution, "exec", namespace)
-        except BaseException as e:
-            out = [["error", type(e).__name__]] * len(cases)
-        else:
-            for src in cases:
-                try:
-                    out.append(["ok", repr(run(src, "eval", namespace))])
-                except BaseException as e:
-                    out.append(["error", type(e).__name__])
-    write(4, nonce + b"\\n" + dumps(out).encode())
-_stlr_outputs({solution!r}, {cases!r}, {stdio!r})
-"""
-REPORT_BYTES = 4096  # what the sandbox's private channel carries
+_UNSPLIT = ("zero", "inside")
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
 @dataclass(frozen=True)
-class SplitTests:
-    """Tests whose expected values stay outside the sandbox: inputs go in, outputs come out."""
+class Verdict:
+    """One rollout's reward and how it was reached. reason: why tests failed as a whole (None: each was judged)."""
 
-    inputs: tuple[str, ...]  # expressions to evaluate after the solution, or stdin texts (stdio)
-    expected: tuple[Any, ...]  # plain data: the values the outputs must equal (stdout texts for stdio)
-    stdio: bool = False
-
-
-def split_tests(tests: Any) -> SplitTests | None:
-    """`assert EXPR == LITERAL` lines, or [{"stdin", "stdout"}] cases, as a SplitTests; None for other tests."""
-    if isinstance(tests, (list, tuple)):
-        if tests and all(isinstance(c, dict) and isinstance(c.get("stdin"), str) and isinstance(c.get("stdout"), str)
-                         for c in tests):
-            return SplitTests(tuple(c["stdin"] for c in tests), tuple(c["stdout"] for c in tests), stdio=True)
-        return None
-    try:
-        tree = ast.parse(str(tests))
-    except SyntaxError:
-        return None
-    inputs, expected = [], []
-    for node in tree.body:
-        test = node.test if isinstance(node, ast.Assert) else None
-        if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
-            return None
-        try:
-            value = ast.literal_eval(test.comparators[0])
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            return None
-        inputs.append(ast.unparse(test.left))
-        expected.append(value)
-    return SplitTests(tuple(inputs), tuple(expected)) if inputs else None
+    reward: float
+    passed: int
+    total: int
+    reason: str | None = None
+    unsplit: bool = False
 
 
-def _plain(text: str) -> tuple[bool, Any]:
-    try:
-        return True, ast.literal_eval(text)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return False, None
-
-
-def _same(got: Any, want: Any) -> bool:
-    """Python's == on plain data, without letting a NaN or a type quirk raise."""
-    try:
-        return bool(got == want)
-    except Exception:  # noqa: BLE001
-        return False
+@dataclass(frozen=True)
+class CodeScores:
+    rewards: torch.Tensor  # (B,) float32
+    verdicts: list[Verdict]
+    metrics: dict[str, float]
 
 
 def last_code_block(rollout: Rollout) -> str | None:
@@ -167,76 +95,169 @@ def last_code_block(rollout: Rollout) -> str | None:
     return None
 
 
-class CodeEnv(ToolUseEnv):
-    """Python code blocks as tool calls (see the module docstring).
+@functools.cache
+def _harness_source() -> str:
+    here = Path(__file__).parent
+    return (here / "code_codec.py").read_text() + "\n" + (here / "code_harness.py").read_text()
 
-    sandbox:     the PythonSandbox that runs the code (default limits when None)
-    run_code:    False: never execute during the episode (single-shot generation, reward only)
+
+def harness_program(job: dict) -> str:
+    """The whole program a sandbox run executes for `job` (code_harness.py)."""
+    return f"{_harness_source()}\n_stlr_main({json.dumps(job)!r})\n"
+
+
+def _flat_json_array(line: str) -> bool:
+    """A JSON array with no array or object inside it (checked without parsing: no depth to exhaust)."""
+    bare = _STRINGS.sub("", line)
+    return bare.startswith("[") and bare.endswith("]") and bare.count("[") == 1 and "{" not in bare
+
+
+def parse_report(report: bytes, nonce: bytes) -> tuple[dict[Any, tuple], str | None]:
+    """{index: result} from the harness's report (code_tests.py lists the results), and what was wrong with
+    it, if anything. Never raises: a line that is not one flat JSON array is skipped; an index reported
+    twice is an error for that index."""
+    head, _, body = report.partition(b"\n")
+    if head != nonce:
+        return {}, "the program left no report (it ended before the harness ran)"
+    results: dict[Any, tuple] = {}
+    problem = None
+    for raw in body.split(b"\n"):
+        if not raw:
+            continue
+        try:
+            line = raw.decode("ascii")
+            item = json.loads(line) if _flat_json_array(line) else None
+        except (UnicodeDecodeError, ValueError):
+            item = None
+        if not item or not isinstance(item[0], (int, str)) or len(item) < 2:
+            problem = problem or "a report line is not a flat JSON array (cut short, or forged)"
+            continue
+        key, value = item[0], _result(item)
+        results[key] = ("error", "reported twice") if key in results else value
+    return results, problem
+
+
+def _result(item: list) -> tuple:
+    kind = item[1]
+    if kind == "ok":
+        try:
+            return ("ok", decode(item[2:]))
+        except CodecError as e:
+            return ("error", f"the result does not decode: {e}")
+    if kind in ("opaque", "error") and len(item) == 3 and isinstance(item[2], str):
+        return (kind, item[2])
+    if kind == "out" and len(item) == 4 and isinstance(item[2], str) and type(item[3]) is int:
+        return ("out", item[2], item[3])
+    if kind == "timeout" or (item[0] == "end" and type(item[1]) is int):
+        return tuple(item[1:]) if item[0] == "end" else ("timeout",)
+    return ("error", "a report line of an unknown kind")
+
+
+class CodeEnv(ToolUseEnv):
+    """Python code blocks as tool calls, rewarded by tests judged outside the sandbox (module docstring).
+
+    sandbox:          the PythonSandbox that runs the code (default limits when None)
+    run_code:         False: never execute during the episode (single-shot generation, reward only)
+    reward:           "all" (1.0 when every test passes) or "fraction" (the fraction that pass)
+    unsplit:          "zero" (tests that cannot be judged outside pay nothing) or "inside" (run them inside)
+    workers:          sandbox runs at once in `score` (default: the CPU count, at most 8)
+    max_report_bytes: the most a run may report (results and stdout); a longer report fails what it cut
     """
 
     def __init__(self, sandbox: PythonSandbox | None = None, custom_sys_prompt: str | None = None,
-                 max_turns: int = 3, *, run_code: bool = True, reward: str = "all"):
+                 max_turns: int = 3, *, run_code: bool = True, reward: str = "all", unsplit: str = "zero",
+                 workers: int | None = None, max_report_bytes: int = 4 << 20):
         if reward not in ("all", "fraction"):
             raise ValueError(f"CodeEnv reward must be 'all' or 'fraction', got {reward!r}")
-        self.reward_mode = reward
+        if unsplit not in _UNSPLIT:
+            raise ValueError(f"CodeEnv unsplit must be one of {_UNSPLIT}, got {unsplit!r}")
+        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+            raise ValueError(f"CodeEnv workers must be an int >= 1 or None, got {workers!r}")
+        if isinstance(max_report_bytes, bool) or not isinstance(max_report_bytes, int) or max_report_bytes < 4096:
+            raise ValueError(f"CodeEnv max_report_bytes must be an int >= 4096, got {max_report_bytes!r}")
+        self.reward_mode, self.unsplit, self.max_report_bytes = reward, unsplit, max_report_bytes
+        self.workers = workers if workers is not None else max(1, min(8, os.cpu_count() or 1))
         self.sandbox = sandbox if sandbox is not None else PythonSandbox()
         registry = ToolRegistry([python_tool(self.sandbox)], formats=("python",))
         super().__init__(registry, DEFAULT_CODE_PROMPT if custom_sys_prompt is None else custom_sys_prompt,
                          max_turns=max_turns if run_code else 1, expose_schemas=False)
         self.run_code = run_code
+        self._warned_unsplit = False
 
-    def reward(self, rollout: Rollout, state: ToolEpisode | Any) -> float | None:
-        """The last code block against the row's answer (module docstring); None without tests."""
-        tests = getattr(state, "answer", None)
-        if tests is None:
-            return None
+    def setup(self, question: Any, answer: Any = None):
+        """The episode's first messages; the answer is read into CodeTests here (ValueError for unknown shapes)."""
+        return super().setup(question, from_answer(answer))
+
+    def reward(self, rollout: Rollout, state: ToolEpisode | Any) -> float:
+        """The last code block against the episode's tests (module docstring)."""
+        return self.verdict(rollout, state).reward
+
+    def verdict(self, rollout: Rollout, state: ToolEpisode | Any) -> Verdict:
+        """How the last code block fares against the tests. ValueError only for tests of an unknown shape."""
+        tests = from_answer(getattr(state, "answer", None))
         code = last_code_block(rollout)
         if code is None:
-            return 0.0
-        split = split_tests(tests)
-        if split is None:
-            return 1.0 if self.tests_pass(code, str(tests)) else 0.0
-        passed = self.outputs_pass(code, split)
-        if self.reward_mode == "fraction":
-            return sum(passed) / len(passed)
-        return 1.0 if all(passed) else 0.0
-
-    def outputs_pass(self, code: str, split: SplitTests) -> list[bool]:
-        """Per case: did the sandbox's output equal the expected value (compared here)? Never raises."""
-        fail = [False] * len(split.inputs)
-        if len(code) + sum(map(len, split.inputs)) > self.sandbox.max_code_chars:
-            return fail
-        nonce = secrets.token_hex(16).encode()
-        report = self._run_harness(_OUTPUTS.format(solution=code, cases=list(split.inputs), stdio=split.stdio), nonce)
-        head, _, body = report.partition(b"\n")
+            return Verdict(0.0, 0, len(tests), "no ```python block")
+        if len(code) > self.sandbox.max_code_chars:
+            return Verdict(0.0, 0, len(tests), f"the code is over {self.sandbox.max_code_chars} characters")
+        results, problem = self._run(tests.job(code))
         try:
-            outputs = json.loads(body) if head == nonce else None
-        except ValueError:
-            outputs = None
-        if not isinstance(outputs, list) or len(outputs) != len(split.inputs):
-            return fail
-        passed = []
-        for out, want in zip(outputs, split.expected, strict=True):
-            if not (isinstance(out, list) and len(out) == 2 and out[0] == "ok" and isinstance(out[1], str)):
-                passed.append(False)
-            elif split.stdio:
-                passed.append(out[1].strip() == want.strip())
-            else:
-                ok, got = _plain(out[1])
-                passed.append(ok and _same(got, want))
-        return passed
+            judged = tests.judge(results)
+        except Exception as e:  # noqa: BLE001  (what the program reported cannot break the reward)
+            return Verdict(0.0, 0, len(tests), f"the results could not be judged: {type(e).__name__}: {e}")
+        if judged.unsplit:
+            return self._unsplit(tests, code, judged.reason)
+        reward = judged.fraction if self.reward_mode == "fraction" else float(judged.all)
+        reason = judged.reason or (problem if not judged.all else None)
+        return Verdict(reward, sum(judged.passed), len(tests), reason)
 
-    def tests_pass(self, code: str, tests: str) -> bool:
-        """Did `tests` run to their end after `code`, in one namespace, in the sandbox? Never raises."""
-        if len(code) + len(tests) > self.sandbox.max_code_chars:
-            return False
+    def score(self, rollouts: list[Rollout], states: list[Any] | None = None) -> CodeScores:
+        """Verdicts for a batch, `workers` sandbox runs at a time. states: default each `metadata["env_state"]`."""
+        states = [r.metadata["env_state"] for r in rollouts] if states is None else list(states)
+        if len(states) != len(rollouts):
+            raise ValueError(f"got {len(rollouts)} rollouts but {len(states)} states")
+        for i, s in enumerate(states):  # bad tests fail here, naming the row, before any run
+            try:
+                from_answer(getattr(s, "answer", None))
+            except ValueError as e:
+                raise ValueError(f"row {i}: {e}") from None
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            verdicts = list(pool.map(self.verdict, rollouts, states))
+        n = max(1, len(verdicts))
+        metrics = {
+            "code/reward": sum(v.reward for v in verdicts) / n,
+            "code/tests_passed": sum(v.passed for v in verdicts) / max(1, sum(v.total for v in verdicts)),
+            "code/no_code": sum(v.reason == "no ```python block" for v in verdicts) / n,
+            "code/unsplit": float(sum(v.unsplit for v in verdicts)),
+            "code/failed_runs": float(sum(v.reason is not None and not v.unsplit for v in verdicts)),
+        }
+        return CodeScores(torch.tensor([v.reward for v in verdicts], dtype=torch.float32), verdicts, metrics)
+
+    def _unsplit(self, tests: CodeTests, code: str, why: str | None) -> Verdict:
+        if self.unsplit == "zero":
+            if not self._warned_unsplit:
+                self._warned_unsplit = True
+                warn_user(f"CodeEnv: tests that cannot be judged outside the sandbox pay nothing ({why}); "
+                          "CodeEnv(unsplit='inside') runs them inside instead (see docs/rewards.md)")
+            return Verdict(0.0, 0, len(tests), why, unsplit=True)
+        results, problem = self._run(tests.inside_job(code))
+        seen = results.get("end")
+        ran = seen is not None and isinstance(seen[0], int) and seen[0] >= 1
+        return Verdict(float(ran), len(tests) if ran else 0, len(tests),
+                       None if ran else (problem or "the tests did not run to their end inside"), unsplit=True)
+
+    def _run(self, job: dict) -> tuple[dict[Any, tuple], str | None]:
+        """The harness's results for `job`, and what went wrong with the run, if anything. Never raises."""
         nonce = secrets.token_hex(16).encode()
-        return self._run_harness(_HARNESS.format(solution=code, tests=tests), nonce) == nonce
-
-    def _run_harness(self, program: str, nonce: bytes) -> bytes:
-        """What a harness program wrote to its private channel (b"" when the sandbox itself failed)."""
-        try:  # the limit applies to the model's code and the tests, not to their quoting in the harness
-            box = dataclasses.replace(self.sandbox, max_code_chars=max(len(program), self.sandbox.max_code_chars))
-            return box.run(program, secret=nonce).report
-        except Exception:  # noqa: BLE001  (a sandbox failure scores nothing)
-            return b""
+        program = harness_program(job)
+        try:  # the limit applies to the model's code, not to the harness and the job around it
+            box = replace(self.sandbox, max_code_chars=max(len(program), self.sandbox.max_code_chars))
+            run = box.run(program, secret=nonce, report_limit=self.max_report_bytes)
+        except Exception as e:  # noqa: BLE001  (a sandbox failure scores nothing)
+            return {}, f"the sandbox failed: {type(e).__name__}: {e}"
+        results, problem = parse_report(run.report, nonce)
+        if run.timed_out:
+            problem = f"the run timed out after {self.sandbox.timeout:g} s"
+        elif run.error is not None:
+            problem = f"sandbox: {run.error}"
+        return results, problem

@@ -196,45 +196,48 @@ class PythonSandbox:
         return None if fresh else uid
 
     # ---- running --------------------------------------------------------------------------------------
-    def run(self, code: str, *, secret: bytes | None = None) -> SandboxResult:
+    def run(self, code: str, *, secret: bytes | None = None, report_limit: int = 4096) -> SandboxResult:
         """Run `code` under the limits; never raises for anything the code does.
 
         secret: bytes the program (and only it) can read once from fd 3; what it writes to fd 4
-        (at most 4 KiB) comes back as `result.report`. CodeEnv uses this for a per-run nonce.
+        (its first `report_limit` bytes) comes back as `result.report`. CodeEnv's harness reports on it.
         """
         if not isinstance(code, str):
             raise TypeError(f"PythonSandbox.run takes source code as a str, got {type(code).__name__}")
         if secret is not None and not (isinstance(secret, bytes) and len(secret) <= _SECRET_LIMIT):
             raise ValueError(f"PythonSandbox.run secret must be bytes of at most {_SECRET_LIMIT}, got {secret!r:.40}")
+        if isinstance(report_limit, bool) or not isinstance(report_limit, int) or report_limit < 1:
+            raise ValueError(f"PythonSandbox.run report_limit must be an int >= 1, got {report_limit!r}")
         if len(code) > self.max_code_chars or "\x00" in code:
             why = "contains a NUL byte" if "\x00" in code else f"is over {self.max_code_chars} characters"
             return SandboxResult("", "", None, error=f"the code {why}", timeout=self.timeout)
         began = time.monotonic()
         try:
             with _one_run_per_uid(self._shared_uid()):
-                return self._run(code, self.interpreter(), secret)
+                return self._run(code, self.interpreter(), secret, report_limit)
         except Exception as e:  # a failure of the sandbox itself: reported to the caller, never raised
             return SandboxResult("", "", None, error=f"sandbox failure: {type(e).__name__}: {e}",
                                  seconds=time.monotonic() - began, timeout=self.timeout)
 
-    def _run(self, code: str, python: str, secret: bytes | None = None) -> SandboxResult:
+    def _run(self, code: str, python: str, secret: bytes | None = None, report_limit: int = 4096) -> SandboxResult:
         isolation = self._isolation()
-        result, unsupported = self._run_isolated(code, python, secret, isolation)
+        result, unsupported = self._run_isolated(code, python, secret, isolation, report_limit)
         if unsupported is not None:
             _namespaces_unsupported[os.geteuid() == 0] = unsupported
             if self.isolation == "namespaces":
                 return result
             warn_user(f"PythonSandbox: namespaces are unavailable here ({unsupported}); falling back to "
                       "isolation='process', which contains less (see docs/sandbox.md)", RuntimeWarning)
-            result, _ = self._run_isolated(code, python, secret, "process")
+            result, _ = self._run_isolated(code, python, secret, "process", report_limit)
         return result
 
-    def _run_isolated(self, code: str, python: str, secret: bytes | None,
-                      isolation: str) -> tuple[SandboxResult, str | None]:
+    def _run_isolated(self, code: str, python: str, secret: bytes | None, isolation: str,
+                      report_limit: int = 4096) -> tuple[SandboxResult, str | None]:
         uid, gid, fresh = self._identity()
         began = time.monotonic()
         spec = Spec(code, python, isolation, self._rlimits(), uid, gid, fresh, self.memory_mb << 20,
-                    self.max_processes, self.allow_network, landlock_abi() if self.confine_writes else 0, secret)
+                    self.max_processes, self.allow_network, landlock_abi() if self.confine_writes else 0, secret,
+                    report_limit)
         try:
             launch = start(spec)
         except (OSError, subprocess.SubprocessError) as e:

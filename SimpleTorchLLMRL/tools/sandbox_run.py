@@ -30,7 +30,6 @@ LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_lau
 INSIDE_WORKDIR = "/tmp/sandbox"  # the working directory as the program sees it (namespaces)
 _REAP_SECONDS = 2.0
 _GRACE_SECONDS = 0.25  # after the program ended: how long background holders of its pipes may keep writing
-_REPORT_LIMIT = 4096
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "nsswitch.conf", "passwd", "group",
               "hosts", "host.conf", "gai.conf", "resolv.conf", "ssl", "ca-certificates", "mime.types",
@@ -53,6 +52,7 @@ class Spec:
     allow_network: bool
     landlock_abi: int
     secret: bytes | None = None
+    report_limit: int = 4096  # bytes of fd 4 kept
 
 
 @dataclass
@@ -246,8 +246,8 @@ def watch(launch: Launch, timeout: float, limit: int) -> Outcome:
                         line, _, rest = bytes(control).partition(b"\n")
                         control[:] = rest
                         status = _control_line(launch, out, line.decode("utf-8", "replace"), status)
-                elif len(out.report) < _REPORT_LIMIT:
-                    out.report += chunk[: _REPORT_LIMIT - len(out.report)]
+                elif len(out.report) < launch.spec.report_limit:
+                    out.report += chunk[: launch.spec.report_limit - len(out.report)]
     finally:
         sel.close()
     out.stdout, out.stderr, out.truncated = bytes(bufs[0]), bytes(bufs[1]), max(seen) > limit

@@ -1,0 +1,189 @@
+"""The program CodeEnv runs in the sandbox: it computes values, and never decides a verdict.
+
+`program(job)` is this file's source after code_codec.py's, then a call of `_stlr_main`
+with the job as a JSON string. Inside the sandbox it runs the data set's prelude and
+the solution, then, by the job's mode:
+
+- "calls": each call the tests make of the solution (`f(2, 3)`, `Solution().two_sum(...)`,
+  `candidate(...)` in HumanEval's `check`), with the arguments decoded from typed data;
+  each result goes back as typed data ("ok"), as "opaque" (kept here for later calls
+  on it, e.g. a method of an object the solution built) or as the error it raised.
+- "stdio": the solution as a program, once per case, in a forked child whose fd 0 is the
+  case's input (`input()`, `sys.stdin.buffer`, `open(0)` all read it) and fd 1 a fresh
+  file; what it wrote and its exit status go back.
+- "inside" (an explicit opt-in for tests that do not split): the tests after the solution,
+  in its namespace, counting the asserts that ran; "end" once they all ran.
+
+fd 3 holds a per-run nonce, fd 4 is the report: the nonce on the first line, then one flat
+JSON array per line. The program can forge any of it; it gains nothing by that, since the
+expected values never enter the sandbox and the report is only data to the caller.
+Standard library only: this runs under the sandbox's interpreter, in `python -I`.
+"""
+
+import io
+import json
+import os
+import sys
+import time
+
+try:  # in the sandbox, code_codec.py's source comes first in the same program
+    decode, encode  # noqa: B018
+except NameError:
+    from SimpleTorchLLMRL.env.code_codec import decode, encode
+
+_OUT_LIMIT = 1 << 20  # bytes of a stdio case's output kept
+
+
+def _stlr_write(line):
+    data = (json.dumps(line) + "\n").encode("utf-8", "surrogatepass")
+    while data:
+        data = data[os.write(4, data):]
+
+
+def _stlr_empty_stdin():
+    """fd 0 held this program's source: point it at an empty file, so a solution reads no harness."""
+    fd = os.memfd_create("stdin")
+    os.dup2(fd, 0)
+    os.close(fd)
+
+
+def _stlr_namespace(name):
+    return {"__name__": name, "__builtins__": __builtins__}
+
+
+def _stlr_value(entry, objects):
+    if entry[0] == "r":  # the result of an earlier call, as the live object
+        return objects[entry[1]]
+    return decode(entry[1])
+
+
+def _stlr_target(call, namespace, objects):
+    kind, key = call["base"]
+    if kind == "r":
+        target = objects[key]
+    elif key in namespace:
+        target = namespace[key]
+    elif call.get("method_of") in namespace:  # LeetCode style: `class Solution` with the method
+        target = getattr(namespace[call["method_of"]](), key)
+    else:
+        raise NameError(f"name {key!r} is not defined")
+    for attr in call["attrs"]:
+        target = getattr(target, attr)
+    return target
+
+
+def _stlr_calls(job):
+    namespace = _stlr_namespace("__solution__")
+    objects = {}
+    try:
+        exec(compile(job["prelude"], "<prelude>", "exec"), namespace)
+        exec(compile(job["solution"], "<solution>", "exec"), namespace)
+    except BaseException as e:  # noqa: BLE001  (SystemExit too: the solution never got to the calls)
+        for k in range(len(job["calls"])):
+            _stlr_write([k, "error", f"the solution did not load: {type(e).__name__}"])
+        return
+    for k, call in enumerate(job["calls"]):
+        try:
+            target = _stlr_target(call, namespace, objects)
+            args = [_stlr_value(a, objects) for a in call["args"]]
+            kwargs = {name: _stlr_value(a, objects) for name, a in call["kwargs"]}
+            result = target(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001
+            _stlr_write([k, "error", f"{type(e).__name__}: {str(e)[:200]}"])
+            continue
+        objects[k] = result
+        try:
+            tokens = encode(result)
+        except Exception as e:  # noqa: BLE001  (a value that cannot travel: usable by later calls only)
+            _stlr_write([k, "opaque", str(e)[:200]])
+            continue
+        _stlr_write([k, "ok", *tokens])
+
+
+def _stlr_file(data):
+    fd = os.memfd_create("case")
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _stlr_child(job, stdin_fd, out_fd):
+    os.dup2(stdin_fd, 0)
+    os.dup2(out_fd, 1)
+    for fd in (stdin_fd, out_fd, 4):
+        os.close(fd)
+    sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8")
+    sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8")
+    code = 0
+    try:
+        namespace = _stlr_namespace("__main__")
+        exec(compile(job["prelude"], "<prelude>", "exec"), namespace)
+        exec(compile(job["solution"], "<solution>", "exec"), namespace)
+    except SystemExit as e:  # sys.exit() / exit(0) end a program normally
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001
+        code = 1
+    try:
+        sys.stdout.flush()
+    except BaseException:  # noqa: BLE001
+        code = code or 1
+    os._exit(code & 0xFF)
+
+
+def _stlr_wait(pid, seconds):
+    """The child's exit code (negative: its signal), or None when it outlived `seconds` (then killed)."""
+    deadline, pause = time.monotonic() + seconds, 0.0005
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            return None
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+
+
+def _stlr_stdio(job):
+    for k, stdin in enumerate(job["cases"]):
+        stdin_fd, out_fd = _stlr_file(stdin.encode("utf-8", "surrogatepass")), _stlr_file(b"")
+        pid = os.fork()
+        if pid == 0:
+            _stlr_child(job, stdin_fd, out_fd)
+        os.close(stdin_fd)
+        status = _stlr_wait(pid, job["case_seconds"])
+        size = os.fstat(out_fd).st_size
+        out = os.pread(out_fd, _OUT_LIMIT, 0)
+        os.close(out_fd)
+        if status is None:
+            _stlr_write([k, "timeout"])
+        elif size > _OUT_LIMIT:
+            _stlr_write([k, "error", f"more than {_OUT_LIMIT} bytes of output"])
+        else:
+            _stlr_write([k, "out", out.decode("utf-8", "replace"), status])
+
+
+def _stlr_inside(job):
+    seen = [0]
+
+    def _stlr_seen():
+        seen[0] += 1
+
+    namespace = _stlr_namespace("__main__")
+    namespace["_stlr_seen"] = _stlr_seen
+    exec(compile(job["prelude"], "<prelude>", "exec"), namespace)
+    exec(compile(job["solution"], "<solution>", "exec"), namespace)
+    exec(compile(job["tests"], "<tests>", "exec"), namespace)
+    _stlr_write(["end", seen[0]])
+
+
+def _stlr_main(job_json):
+    nonce = os.read(3, 64)
+    os.close(3)
+    os.write(4, nonce + b"\n")
+    _stlr_empty_stdin()
+    job = json.loads(job_json)
+    {"calls": _stlr_calls, "stdio": _stlr_stdio, "inside": _stlr_inside}[job["mode"]](job)
