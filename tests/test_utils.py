@@ -11,7 +11,7 @@ import torch
 from fake_wandb import FakeWandb
 
 from SimpleTorchLLMRL.utils.checkpoint import load_checkpoint, save_checkpoint, save_pretrained_atomic
-from SimpleTorchLLMRL.utils.jsonl import jsonl_records, read_jsonl
+from SimpleTorchLLMRL.utils.jsonl import cut_short, jsonl_records, read_jsonl
 from SimpleTorchLLMRL.utils.metrics import MetricsLogger
 from SimpleTorchLLMRL.utils.training import NonFiniteError, clipped_step, warmup_constant
 
@@ -40,6 +40,35 @@ def test_a_bad_line_that_is_not_the_torn_tail_is_an_error(tmp_path):
 
 def test_line_numbers_count_blank_lines():
     assert list(jsonl_records('\n{"a": 1}\n\n[2]\n', "x")) == [(2, {"a": 1}), (4, [2])]
+
+
+def test_every_prefix_of_a_record_is_cut_short_and_nothing_else_is():
+    record = {"a": [1, -2.5e-3, 0, True, False, None, float("nan"), -float("inf")], "é": 'caf\u00e9 "q" \\ \n\x01 😀',
+              "n": {"x": [], "y": {}}, "big": 12345678901234567890, "e": 1e300}
+    for ensure_ascii in (True, False):  # \uXXXX escapes (surrogate pairs too), or the characters themselves
+        for separators in (None, (",", ":")):
+            text = json.dumps(record, ensure_ascii=ensure_ascii, separators=separators)
+            assert not cut_short(text)
+            assert [k for k in range(len(text)) if not cut_short(text[:k])] == []
+    for wrong in ["not json", "{not json", '{"a": 1} x', '{"a": 1}}', '{"a": tx', '{"a": é', "[1,,", '{"a" 1',
+                  '{"a": 1 2', '"a\\u00g', '{"a":01', '{"a":1.e', "[1] "]:
+        assert not cut_short(wrong), wrong
+
+
+def test_bytes_are_decoded_line_by_line(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_bytes('{"a": "é"}\n{"a": "ü"}\n'.encode() + '{"a": "é"}'.encode()[:-3])  # torn inside the é
+    with pytest.warns(UserWarning, match="last line is torn"):
+        assert read_jsonl(path) == [{"a": "é"}, {"a": "ü"}]
+    # a tear mid-file: a later writer started on a new line after it
+    path.write_bytes('{"a": "é"}\n'.encode()[:-4] + b"\n" + '{"a": "ü"}\n'.encode())
+    with pytest.warns(UserWarning, match="line 1 is torn"):
+        assert read_jsonl(path) == [{"a": "ü"}]
+    with pytest.raises(ValueError, match="line 1 ends inside a UTF-8 character"):
+        read_jsonl(path, torn_tail="error")
+    path.write_bytes(b'{"a": "\xff"}\n{"a": 2}\n')
+    with pytest.raises(ValueError, match="line 1 is not UTF-8"):
+        read_jsonl(path)
 
 
 def test_torn_tail_mode_is_checked():
