@@ -1,8 +1,10 @@
 """Rollouts as data: exact round trips (JSONL and Parquet), replay, policy versions, bounded staleness."""
 
+import errno
 import json
 import math
 import time
+import warnings
 
 import pytest
 import torch
@@ -190,3 +192,102 @@ def test_writers_create_the_folder(tmp_path):
         w.write([rollout])
     save_rollouts(tmp_path / "other" / "step_1.jsonl", [rollout])
     assert len(load_rollouts(tmp_path / "run" / "rollouts.jsonl")) == len(load_rollouts(tmp_path / "other" / "step_1.jsonl")) == 1
+
+
+# ------------------------------------------------------------------ issue 34: rollout files survive their disks
+
+
+def _accented(k):
+    """A rollout whose texts are full of two-byte UTF-8 characters."""
+    return Rollout([Message(f"Question {k}: combien coûte le café?", U),
+                    Message(f"C'est réglé: {k} é" + "é" * k, M, token_ids=[k, k + 1], logprobs=[-0.5, -0.25])],
+                   {"answer": f"é{k}", "group_id": k})
+
+
+def _same(loaded, expected):
+    return [list(r) for r in loaded] == [list(r) for r in expected] and \
+        [r.metadata for r in loaded] == [r.metadata for r in expected]
+
+
+def test_a_tear_inside_a_multibyte_character_costs_only_that_line(tmp_path):
+    rollouts = [_accented(k) for k in range(18)]
+    path = tmp_path / "r.jsonl"
+    with RolloutWriter(path) as w:
+        for k in range(0, 18, 6):
+            w.write(rollouts[k:k + 6])
+    data = path.read_bytes()
+    cut = data.rindex("é".encode()) + 1  # a full disk stopped the write between the two bytes of the last é
+    path.write_bytes(data[:cut])
+    with pytest.raises(UnicodeDecodeError):
+        data[:cut].decode("utf-8")  # the file as a whole is not UTF-8 any more
+    with pytest.warns(UserWarning, match="last line is torn"):
+        assert _same(load_rollouts(path), rollouts[:17])
+    # the run goes on: a new writer starts on a new line, the fragment stays a line of its own
+    more = [_accented(k) for k in range(18, 21)]
+    with RolloutWriter(path) as w:
+        w.write(more)
+    with pytest.warns(UserWarning, match="line 18 is torn"):
+        assert _same(load_rollouts(path), rollouts[:17] + more)
+
+
+def test_a_writer_reopened_after_a_torn_tail_starts_a_new_line_at_every_cut(tmp_path):
+    """Cut the last record at every byte, reopen, write one more: every complete record loads, at any cut."""
+    rollouts = [_accented(k) for k in range(3)]
+    path = tmp_path / "r.jsonl"
+    save_rollouts(path, rollouts)
+    data = path.read_bytes()
+    last_start = data.rindex(b"\n", 0, len(data) - 1) + 1
+    extra = _accented(99)
+    for cut in range(last_start, len(data)):  # len(data) - 1: only the newline is missing, the record is whole
+        path.write_bytes(data[:cut])
+        with RolloutWriter(path) as w:
+            w.write([extra])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            whole = cut == len(data) - 1
+            assert _same(load_rollouts(path), rollouts[:2 + whole] + [extra]), cut
+        torn = [str(c.message) for c in caught]
+        assert torn == ([] if cut == last_start or whole else [f"{path}: line 3 is torn (a writer was stopped mid-line, "
+                                                       "a later one went on after it); skipped it"]), cut
+
+
+def test_a_write_cut_by_a_full_disk_is_followed_by_a_new_line(tmp_path):
+    rollouts = [_accented(k) for k in range(4)]
+    path = tmp_path / "r.jsonl"
+
+    class FullDisk:  # takes 25 bytes of the next write (ending inside an é), then the disk is full
+        def __init__(self, file):
+            self.file, self.full = file, False
+
+        def write(self, data):
+            if self.full:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.full = True
+            return self.file.write(bytes(data[:25]))
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    with RolloutWriter(path) as w:
+        w.write(rollouts[:1])
+        w._file = FullDisk(w._file)
+        with pytest.raises(OSError, match="No space"):
+            w.write(rollouts[1:2])
+        w._file = w._file.file  # space freed: the loop writes on
+        w.write(rollouts[2:])
+    with pytest.warns(UserWarning, match="line 2 is torn"):
+        assert _same(load_rollouts(path), rollouts[:1] + rollouts[2:])
+
+
+def test_bad_lines_that_no_tear_explains_are_still_errors(tmp_path):
+    good = [json.dumps(_accented(k).to_dict(), ensure_ascii=False).encode() for k in range(2)]
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(good[0] + b"\n\xff\xfe" + good[1][2:] + b"\n" + good[1] + b"\n")  # not UTF-8, mid-file
+    with pytest.raises(ValueError, match="line 2 is not UTF-8"):
+        load_rollouts(path)
+    path.write_bytes(good[0] + b"\n" + good[1][:-1] + b" 1}\n" + good[1] + b"\n")  # JSON gone wrong, not cut short
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        load_rollouts(path)
+    path.write_bytes(good[0] + b"\n" + good[1][:40] + b"\n")  # cut short, yet its newline was written: not a tear
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        load_rollouts(path)

@@ -13,8 +13,11 @@ object that `collect_rollouts` leaves, which is not saved unless asked.
     with RolloutWriter("run/rollouts.jsonl") as w:    # append each step's rollouts as training goes
         w.write(rollouts)
 
-A JSONL file whose last line was torn (the writer was killed mid-line) loads
-without that line, with a warning; any other bad line is an error naming it.
+A JSONL file is read line by line as bytes, each line decoded (UTF-8) on its own. A line
+torn by a writer stopped mid-line (killed, or cut by a full disk, in the middle of a
+multi-byte character too) loads without that line, with a warning: the last line without
+its newline, or a line cut short that a later `RolloutWriter` left behind when it started on
+a new line (`utils.jsonl`). Any other bad line is an error naming it.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def load_rollouts(path) -> list[Rollout]:
     if _kind(path) == "parquet":
         return [rollout_from_dict(r) for r in _read_parquet(path)]
     out = []
-    for n, record in jsonl_records(path.read_text(encoding="utf-8"), str(path)):
+    for n, record in jsonl_records(path.read_bytes(), str(path)):
         try:
             out.append(rollout_from_dict(record))
         except (ValueError, KeyError, TypeError) as e:
@@ -75,8 +78,22 @@ def load_rollouts(path) -> list[Rollout]:
     return out
 
 
+def _ends_mid_line(path: Path) -> bool:
+    """Does the file end inside a line (no newline after its last byte)? False for an empty file."""
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
+
+
 class RolloutWriter:
-    """Appends rollouts to a .jsonl file, one line each, flushed after every `write`."""
+    """Appends rollouts to a .jsonl file, one line each, written and fsynced at every `write`.
+
+    A file that ends inside a line (a writer stopped mid-line) is continued on a new line,
+    so the torn fragment stays a line of its own, which `load_rollouts` skips with a warning;
+    so does a `write` that fails part way (a full disk): the next one starts a new line.
+    """
 
     def __init__(self, path, skip_metadata: Iterable[str] = SKIPPED_METADATA):
         self.path = Path(path)
@@ -84,13 +101,17 @@ class RolloutWriter:
             raise ValueError(f"{self.path}: RolloutWriter appends to .jsonl files only")
         self.skip_metadata = tuple(skip_metadata)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 (closed by close()); unbuffered: no half line kept
+        self._mid_line = _ends_mid_line(self.path)
 
     def write(self, rollouts: Iterable[Rollout]) -> None:
         lines = [json.dumps(rollout_to_dict(r, self.skip_metadata), ensure_ascii=False) + "\n" for r in rollouts]
-        self._file.write("".join(lines))
-        self._file.flush()
+        data = memoryview((b"\n" if self._mid_line else b"") + "".join(lines).encode("utf-8"))
+        self._mid_line = True  # until the whole batch is on disk
+        while data:
+            data = data[self._file.write(data):]  # a regular file may take part of it
         os.fsync(self._file.fileno())
+        self._mid_line = False
 
     def close(self) -> None:
         self._file.close()
