@@ -209,6 +209,8 @@ class CodeEnv(ToolUseEnv):
             return self._unsplit(tests, code, judged.reason)
         reward = judged.fraction if self.reward_mode == "fraction" else float(judged.all)
         reason = judged.reason or (problem if not judged.all else None)
+        if reason is None and not any(judged.passed):  # say why, when nothing passed: the first error
+            reason = next((r[1] for r in results.values() if r[0] == "error"), None)
         return Verdict(reward, sum(judged.passed), len(tests), reason)
 
     def score(self, rollouts: list[Rollout], states: list[Any] | None = None) -> CodeScores:

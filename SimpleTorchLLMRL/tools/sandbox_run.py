@@ -89,10 +89,11 @@ def exposed_paths(python: str) -> list[str]:
     venv = os.path.dirname(os.path.dirname(os.path.abspath(python)))
     if os.path.exists(os.path.join(venv, "pyvenv.cfg")):
         prefixes.add(venv)
-        for line in open(os.path.join(venv, "pyvenv.cfg"), encoding="utf-8", errors="replace"):
-            key, _, value = line.partition("=")
-            if key.strip() == "home" and value.strip():
-                prefixes.add(os.path.dirname(os.path.realpath(value.strip())))
+        with open(os.path.join(venv, "pyvenv.cfg"), encoding="utf-8", errors="replace") as cfg:
+            for line in cfg:
+                key, _, value = line.partition("=")
+                if key.strip() == "home" and value.strip():
+                    prefixes.add(os.path.dirname(os.path.realpath(value.strip())))
     if os.path.realpath(python) == os.path.realpath(sys.executable):
         prefixes |= {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
     covered = [p for p in paths if not os.path.islink(p)]
