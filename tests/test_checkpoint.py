@@ -1,5 +1,10 @@
+import errno
 import json
+import os
 import random
+import shutil
+import subprocess
+import types
 
 import numpy as np
 import pytest
@@ -7,9 +12,12 @@ import torch
 
 from SimpleTorchLLMRL.testing.tiny import tiny_model
 from SimpleTorchLLMRL.utils.checkpoint import (
+    CheckpointError,
+    find_checkpoint,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
+    save_pretrained_atomic,
     verify_checkpoint,
 )
 from SimpleTorchLLMRL.utils.metrics import MetricsLogger, read_metrics
@@ -119,3 +127,144 @@ def test_metrics_logger_jsonl(tmp_path, capsys):
     assert read_metrics(tmp_path / "metrics.jsonl") == [
         {"step": 1, "loss": 0.5, "reward": 1.0, "nan": None}, {"step": 2, "loss": 0.25}]
     assert "[step 1] loss=0.5" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- never silently wrong (issue 34)
+
+
+def test_a_second_writer_leaves_the_first_ones_save_in_flight_alone(tmp_path, chatml_tokenizer, monkeypatch):
+    """Writer B saves into the same directory while writer A is between two files of its checkpoint."""
+    model = tiny_model("qwen2", chatml_tokenizer)
+    real_save, interleaved = torch.save, []
+
+    def save_with_a_second_writer(obj, f, *args, **kwargs):
+        if not interleaved:  # A's first torch.save: B runs a whole save meanwhile
+            interleaved.append(None)
+            interleaved.append(save_checkpoint(tmp_path, 7, model, keep_last=None))
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save_with_a_second_writer)
+    first = save_checkpoint(tmp_path, 3, model, keep_last=None)  # before: FileNotFoundError, B deleted A's folder
+    assert verify_checkpoint(first) is None and verify_checkpoint(interleaved[1]) is None
+    assert sorted(os.listdir(tmp_path)) == ["step-000003", "step-000007"]
+
+
+def _no_free_space(monkeypatch, free: int = 0) -> None:
+    usage = types.SimpleNamespace(total=10**9, used=10**9 - free, free=free)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage)
+
+
+def _raises(error):
+    def write(*args, **kwargs):
+        raise error
+    return write
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")],
+                         ids=["errno", "torch.save"])
+def test_a_full_disk_is_one_line_naming_the_checkpoint_and_leaves_no_partial_folder(
+        tmp_path, chatml_tokenizer, monkeypatch, error):
+    model = tiny_model("qwen2", chatml_tokenizer)
+    save_checkpoint(tmp_path, 1, model)
+    _no_free_space(monkeypatch)
+    monkeypatch.setattr(torch, "save", _raises(error))
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(tmp_path, 2, model)
+    assert str(info.value) == f"no space left on device writing {tmp_path / 'step-000002'}"
+    assert info.value.errno == errno.ENOSPC
+    assert sorted(os.listdir(tmp_path)) == ["step-000001"]  # the partial .tmp-step-000002-* is gone
+
+
+def test_a_torch_save_failure_with_space_left_is_not_called_a_full_disk(tmp_path, chatml_tokenizer, monkeypatch):
+    model = tiny_model("qwen2", chatml_tokenizer)
+    _no_free_space(monkeypatch, free=50 << 30)
+    monkeypatch.setattr(torch, "save", _raises(RuntimeError("[enforce fail at inline_container.cc:672] . boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        save_checkpoint(tmp_path, 1, model)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """mount(bytes) -> a fresh tmpfs of that size (skipped where mounting is not permitted)."""
+    mounted = []
+
+    def mount(size: int):
+        point = tmp_path / f"tmpfs{len(mounted)}"
+        point.mkdir()
+        try:
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
+                                  capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            pytest.skip(f"cannot mount a tmpfs here: {e}")
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        if subprocess.run(["umount", str(point)], capture_output=True, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(point)], capture_output=True, timeout=30)  # busy: detach it
+
+
+def test_a_real_full_disk_is_one_line_and_leaves_no_partial_folder(tmp_path, chatml_tokenizer, tiny_tmpfs):
+    model = tiny_model("qwen2", chatml_tokenizer)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train_step(model, opt)  # two moments per weight: optimizer.pt is twice model.safetensors
+    probe = save_checkpoint(tmp_path / "probe", 1, model, opt)
+    disk = tiny_tmpfs((probe / "model.safetensors").stat().st_size + (64 << 10))  # the weights fit, not the rest
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(disk / "checkpoints", 1, model, opt)
+    assert str(info.value) == f"no space left on device writing {disk / 'checkpoints' / 'step-000001'}"
+    assert os.listdir(disk / "checkpoints") == []
+    assert shutil.disk_usage(disk).used < (64 << 10)  # the partial files' space is back (none held open)
+
+
+def test_a_dangling_or_unreadable_checkpoint_directory_is_an_error_not_an_empty_one(tmp_path, chatml_tokenizer):
+    model = tiny_model("qwen2", chatml_tokenizer)
+    dangling, loop, a_file = tmp_path / "dangling", tmp_path / "loop", tmp_path / "a_file"
+    dangling.symlink_to(tmp_path / "gone")
+    loop.symlink_to(loop)
+    a_file.write_text("precious")
+    for path, why in [(dangling, "dangling symlink"), (loop, "cannot be read"), (a_file, "not a directory")]:
+        with pytest.raises(CheckpointError, match=why):
+            find_checkpoint(path)  # before: (None, []), "no checkpoint", and a run started over
+        with pytest.raises(CheckpointError, match=why):
+            save_checkpoint(path, 1, model)  # before: a raw FileExistsError
+    assert not (tmp_path / "gone").exists() and a_file.read_text() == "precious"
+    assert find_checkpoint(tmp_path / "missing") == (None, [])
+    if os.geteuid() != 0:  # root reads a mode-000 directory anyway
+        locked = tmp_path / "locked"
+        save_checkpoint(locked, 1, model)
+        locked.chmod(0)
+        try:
+            with pytest.raises(CheckpointError, match="cannot be read"):
+                find_checkpoint(locked)
+        finally:
+            locked.chmod(0o755)
+
+
+def test_keep_last_never_deletes_the_checkpoint_just_written(tmp_path, chatml_tokenizer):
+    """An older run's higher steps are left alone, with a warning: they are not pruned in place of the new one."""
+    model = tiny_model("qwen2", chatml_tokenizer)
+    for step in (39, 40):
+        save_checkpoint(tmp_path, step, model)
+    with pytest.warns(UserWarning, match="step-000040, newer than step-000001"):
+        new = save_checkpoint(tmp_path, 1, model, keep_last=2)
+    assert verify_checkpoint(new) is None
+    assert sorted(os.listdir(tmp_path)) == ["step-000001", "step-000039", "step-000040"]
+
+
+def test_save_pretrained_atomic_through_a_symlink_keeps_the_link(tmp_path, chatml_tokenizer):
+    model = tiny_model("qwen2", chatml_tokenizer)
+    target = tmp_path / "disk" / "final"
+    target.mkdir(parents=True)
+    (target / "old.txt").write_text("an older model")
+    link = tmp_path / "run" / "final"
+    link.parent.mkdir()
+    link.symlink_to(target)
+    save_pretrained_atomic(model, chatml_tokenizer, link)
+    assert link.is_symlink() and (target / "config.json").exists() and not (target / "old.txt").exists()
+    assert os.listdir(link.parent) == ["final"] and sorted(os.listdir(target.parent)) == ["final"]

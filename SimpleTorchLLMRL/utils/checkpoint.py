@@ -13,15 +13,28 @@ corrupt or partial one is skipped with a warning, never loaded.
 
 `save_pretrained_atomic` writes a `save_pretrained` directory (model or adapter,
 and the tokenizer) the same way: complete under its name, or not there at all.
+
+Temporary folders `.tmp-step-NNNNNN-PID-XXXXXX/` are locked (flock) by their writer for as long as
+it writes; a save removes only those whose lock it can take (their writer is gone), so a second
+writer in the same directory never deletes a save in flight. On a filesystem without flock
+nothing is removed.
+
+Errors name the problem in one line (`CheckpointError`, an `OSError`): a checkpoint directory that
+is a dangling symlink, not a directory or unreadable, and a full disk ("no space left on device
+writing PATH", errno ENOSPC), after which the partial folder is removed.
 """
 
 from __future__ import annotations
 
+import errno
+import gc
 import hashlib
 import json
 import os
 import random
+import secrets
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +45,19 @@ from safetensors.torch import load_file, save_file
 from SimpleTorchLLMRL.model.lora import is_peft_model
 from SimpleTorchLLMRL.utils.warn import warn_user
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no flock, so no temporary folder is ever removed
+    fcntl = None
+
 PREFIX = "step-"
+TMP_PREFIX = f".tmp-{PREFIX}"
 MANIFEST = "MANIFEST.json"
+LOW_SPACE = 1 << 20  # bytes: below this, a write that failed without an errno failed for space
+
+
+class CheckpointError(OSError):
+    """A checkpoint that cannot be read or written as asked; the message is one line naming the path."""
 
 
 def _sha256(path: Path) -> str:
@@ -96,15 +120,35 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model, optimizer=No
     """Write `directory/step-{step:06d}` atomically; returns its path.
 
     state: JSON-ready values for state.json; extra: anything `torch.save` holds (state dicts of a
-    critic or a second optimizer), given back by `load_checkpoint(...)["extra"]`.
+    critic or a second optimizer), given back by `load_checkpoint(...)["extra"]`. keep_last: how
+    many checkpoints up to this step to keep (older ones are deleted; newer ones are never touched).
+    CheckpointError on a full disk (the partial folder is removed) or an unusable `directory`.
     """
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
+    check_directory(root)
     final = root / f"{PREFIX}{step:06d}"
-    for stale in root.glob(f".tmp-{PREFIX}*"):  # left by a run killed mid-save: never complete, never loaded
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".tmp-{PREFIX}{step:06d}-{os.getpid()}"
-    tmp.mkdir()
+    tmp = lock_fd = None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp, lock_fd = _claim_tmp(root, step)
+        _write_files(tmp, step, model, optimizer, scheduler, state, extra)
+        _publish(tmp, final)
+    except BaseException as e:
+        full = isinstance(e, Exception) and _out_of_space(e, root)  # measured before the partial files go
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise _no_space(final, e) from e
+        raise
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)
+    if keep_last:
+        _prune(root, step, keep_last)
+    return final
+
+
+def _write_files(tmp: Path, step: int, model, optimizer, scheduler, state, extra) -> None:
     save_file(_model_state(model), str(tmp / "model.safetensors"))
     torch.save({"optimizer": optimizer.state_dict() if optimizer is not None else None,
                 "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "optimizer.pt")
@@ -114,11 +158,134 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model, optimizer=No
         torch.save(extra, tmp / "extra.pt")
     files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
-    _publish(tmp, final)
-    if keep_last:
-        for old in _candidates(root)[keep_last:]:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
+
+
+def _prune(root: Path, step: int, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` checkpoints up to `step`; say so when newer ones exist."""
+    newer = [p for p in _candidates(root) if _step_of(p) > step]
+    if newer:
+        warn_user(f"{root} holds {newer[0].name}, newer than {PREFIX}{step:06d} just written: it is left in "
+                  "place, and resuming would load it (empty the directory to start over)")
+    for old in [p for p in _candidates(root) if _step_of(p) <= step][keep_last:]:
+        try:
+            shutil.rmtree(old)
+        except OSError as e:
+            warn_user(f"could not delete the old checkpoint {old}: {e}")
+
+
+def check_directory(path: str | os.PathLike) -> None:
+    """CheckpointError (one line naming `path`) unless `path` is missing or a readable directory.
+
+    A symlink to a directory is fine; a dangling one, a file or a directory that cannot be listed is not.
+    """
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if path.is_symlink():
+            raise CheckpointError(f"{path} is a dangling symlink (to {os.readlink(path)})") from None
+        return
+    except OSError as e:  # a symlink loop, a parent that cannot be searched
+        raise CheckpointError(f"{path} cannot be read: {e.strerror or e}") from e
+    if not stat.S_ISDIR(mode):
+        raise CheckpointError(f"{path} is not a directory")
+    try:
+        os.listdir(path)  # Path.glob would take an unreadable directory for an empty one
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read: {e.strerror or e}") from e
+
+
+def _claim_tmp(root: Path, step: int) -> tuple[Path, int | None]:
+    """(a new temporary folder for `step`, the fd holding its lock). Orphans are removed on the way.
+
+    The directory's own lock is held meanwhile, so no other writer sees our folder before it is locked.
+    """
+    root_fd = _open_dir(root)
+    try:
+        if _flock(root_fd, blocking=True):
+            _remove_orphans(root)
+        tmp = root / f"{TMP_PREFIX}{step:06d}-{os.getpid()}-{secrets.token_hex(3)}"
+        tmp.mkdir()
+        fd = _open_dir(tmp)
+        if fd is not None and not _flock(fd):
+            os.close(fd)
+            fd = None
+        return tmp, fd
+    finally:
+        if root_fd is not None:
+            os.close(root_fd)  # releases the directory's lock
+
+
+def _remove_orphans(root: Path) -> None:
+    """Remove the temporary folders whose writer is gone (their lock can be taken): never loaded, never complete."""
+    for tmp in root.glob(f"{TMP_PREFIX}*"):
+        fd = _open_dir(tmp) if tmp.is_dir() and not tmp.is_symlink() else None
+        if fd is None:
+            continue
+        try:
+            if _flock(fd):
+                shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            os.close(fd)
+
+
+def _open_dir(path: Path) -> int | None:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return None
+
+
+def _flock(fd: int | None, blocking: bool = False) -> bool:
+    """Take an exclusive flock on `fd`: False when another holder has it or the filesystem has no flock."""
+    if fcntl is None or fd is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except OSError:  # BlockingIOError: held by a live writer; ENOLCK / EBADF / EINVAL: no flock here
+        return False
+    return True
+
+
+def _out_of_space(error: BaseException, directory: Path) -> bool:
+    """Whether `error` (raised while writing into `directory`) means the disk or the quota is full.
+
+    OSError carries errno ENOSPC / EDQUOT; safetensors says "No space left on device (os error 28)"; torch.save
+    says only "[enforce fail at inline_container.cc:...]", so the free space of `directory` decides.
+    """
+    chain = _chain(error)
+    for e in chain:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+    if any(isinstance(e, RuntimeError) and ("inline_container.cc" in str(e) or "PytorchStreamWriter" in str(e))
+           for e in chain):
+        try:
+            return shutil.disk_usage(directory).free < LOW_SPACE
+        except OSError:
+            return False
+    return False
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """`error` and what it was raised from or during (__cause__, __context__)."""
+    chain = [error]
+    while len(chain) < 8 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    return chain
+
+
+def _no_space(path: Path, cause: BaseException) -> CheckpointError:
+    """The one-line error of a full disk. A failed torch.save leaves its writer, and so the partial file,
+    open in a reference cycle through the frames of `cause`'s chain: they are dropped and collected, so
+    that the space of the removed partial folder comes back now."""
+    for e in _chain(cause):
+        e.__traceback__ = None
+    gc.collect()
+    error = CheckpointError(f"no space left on device writing {path}")
+    error.errno = errno.ENOSPC
+    return error
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -141,9 +308,13 @@ def save_pretrained_atomic(model, tokenizer, path: str | os.PathLike) -> str:
     """`save_pretrained` of the adapter (peft) or the full model, plus the tokenizer, written atomically.
 
     Returns "adapter" or "full". A kill mid-write leaves the previous `path` (or none), never a
-    half-written one.
+    half-written one. CheckpointError on a full disk, with the partial folder removed. A `path` that
+    is a symlink to a directory stays one: the directory it names is replaced.
     """
     final = Path(path)
+    if final.is_symlink():
+        check_directory(final)
+        final = final.resolve()
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -152,6 +323,10 @@ def save_pretrained_atomic(model, tokenizer, path: str | os.PathLike) -> str:
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         _publish(tmp, final)
+    except Exception as e:
+        if _out_of_space(e, final.parent):  # measured before the partial folder goes (finally)
+            raise _no_space(final, e) from e
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # only left when something above failed
     return "adapter" if is_peft_model(model) else "full"
@@ -168,10 +343,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _step_of(path: Path) -> int:
+    return int(path.name[len(PREFIX):])
+
+
 def _candidates(root: Path) -> list[Path]:
     """step-* directories, newest first."""
     dirs = [p for p in root.glob(f"{PREFIX}*") if p.is_dir() and p.name[len(PREFIX):].isdigit()]
-    return sorted(dirs, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
+    return sorted(dirs, key=_step_of, reverse=True)
 
 
 def verify_checkpoint(path: str | os.PathLike) -> str | None:
@@ -201,11 +380,15 @@ def find_checkpoint(directory: str | os.PathLike) -> tuple[Path | None, list[str
     """(the newest complete checkpoint under `directory` or None, why each newer one was skipped).
 
     Reads manifests and hashes only; no weight is loaded. The checkpoint's `state.json` can then be
-    read to compare a run's settings before `load_checkpoint`.
+    read to compare a run's settings before `load_checkpoint`. A missing `directory` holds none;
+    one that is a dangling symlink, not a directory or unreadable is a CheckpointError.
     """
     root = Path(directory)
+    check_directory(root)
+    if not root.exists():
+        return None, []
     skipped = []
-    for candidate in _candidates(root) if root.is_dir() else []:
+    for candidate in _candidates(root):
         problem = verify_checkpoint(candidate)
         if problem is None:
             return candidate, skipped
