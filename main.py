@@ -13,9 +13,11 @@ GRPO loss -> optimizer step. Held-out greedy accuracy and pass@k are measured be
 training and every `--eval-every` steps. Everything lands in `--output-dir`:
 metrics.jsonl, curves.png, samples.txt, summary.md, final/ (save_pretrained), checkpoints/.
 
-Exit status: 0 done; 2 bad input (one line on stderr, nothing written); 3 a non-finite update
-(nothing saved); 128 + N stopped by signal N: the first SIGTERM (143) or SIGINT (130) ends the
-step in progress, saves a checkpoint and exits (continue with --resume); a second one stops at once.
+Exit status: 0 done; 2 bad input (one line on stderr, nothing written), another run holding
+`--output-dir` (one run at a time: it names that run's PID), or no space left writing a checkpoint
+(one line, the partial folder removed); 3 a non-finite update (nothing saved); 128 + N stopped by
+signal N: the first SIGTERM (143) or SIGINT (130) ends the step in progress, saves a checkpoint and
+exits (continue with --resume); a second one stops at once.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from SimpleTorchLLMRL.recipes.calculator.resume import checkpoint_state, resume_
 from SimpleTorchLLMRL.recipes.calculator.train_loop import (
     EVAL_STREAM,
     BackgroundEval,
+    RunLock,
     Sampler,
     StopOnSignal,
     step_seed,
@@ -59,6 +62,7 @@ from SimpleTorchLLMRL.trainer.combine import combine_metrics
 from SimpleTorchLLMRL.trainer.drift import logprob_drift
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
 from SimpleTorchLLMRL.utils.checkpoint import (
+    CheckpointError,
     load_checkpoint,
     save_checkpoint,
     save_pretrained_atomic,
@@ -86,16 +90,19 @@ class Run:
 # ---- 1. parse and load: every input is checked before anything is written
 
 
-def load(argv: list[str] | None) -> Run:
-    """Flags, data, model and the resume point; UsageError / DatasetError on bad input."""
+def load(argv: list[str] | None, lock: RunLock) -> Run:
+    """Flags, data, model and the resume point, with `lock` held; UsageError / DatasetError on bad input."""
     args = parse_args(argv)
     check_args(args)
+    out = Path(args.output_dir)
+    if out.is_dir():
+        lock.acquire(out)  # another run in this output dir: refused before the model loads
     train_rows, held_out = load_data(args.dataset, args.eval_size, args.seed)
     model, tokenizer = load_policy(args)
     disable_dropout(model)  # on-policy ratios exactly 1 (a model with dropout trains a random sub-network)
     env = ToolUseEnv([calculator], custom_sys_prompt=SYSTEM_PROMPT, max_turns=args.max_turns)
     check_context(train_rows + held_out, env, tokenizer, model, args.max_new_tokens, args.dataset)
-    out = Path(args.output_dir)
+    lock.acquire(out)  # a new output dir is created here, once every input is checked
     ckpt, saved = resume_point(out, args, model)  # every setting compared before any weight is loaded
     return Run(args, model, tokenizer, env, train_rows, held_out, out, ckpt, saved)
 
@@ -267,7 +274,7 @@ def train(run: Run, evaluator: Evaluator) -> tuple[int, list | None]:
         producer = AsyncProducer(lambda step, version: rollouts_for(run, step, version, weights), queue,
                                  steps=range(run.start + 1, args.steps + 1), apply=install,
                                  version=run.start, history=producer_history(run)).start()
-    samples, status = None, 0
+    samples, status, failure = None, 0, None  # failure: (error, exit status), reported once the bar is closed
     bar = tqdm(range(run.start + 1, args.steps + 1), initial=run.start, total=args.steps, desc="GRPO", unit="step",
                dynamic_ncols=True)
     with StopOnSignal() as stop:  # SIGTERM/SIGINT: end this step, save a checkpoint, exit 128 + signal
@@ -279,8 +286,8 @@ def train(run: Run, evaluator: Evaluator) -> tuple[int, list | None]:
             try:
                 metrics = train_step(run, step, rollouts, rewards)
             except NonFiniteError as e:
-                status = fail(UsageError(f"step {step}: {e}; the last checkpoint in {run.out / 'checkpoints'} is "
-                                         "intact"), code=3)
+                failure = (UsageError(f"step {step}: {e}; the last checkpoint in {run.out / 'checkpoints'} is "
+                                      "intact"), 3)
                 break
             if producer is not None:
                 producer.publish(model.state_dict(), version=step)  # the producer samples with them next
@@ -293,15 +300,21 @@ def train(run: Run, evaluator: Evaluator) -> tuple[int, list | None]:
                 evaluator.submit(step)
             evaluator.collect(wait=step == args.steps or stopping)
             if step == args.steps or stopping or (args.checkpoint_every and step % args.checkpoint_every == 0):
-                save_checkpoint(run.out / "checkpoints", step, model, run.optimizer, run.scheduler,
-                                state=checkpoint_state(args, model, step, run.logger.wandb_run_id),
-                                extra={"producer_weights": producer.in_flight(step)} if producer else None)
+                try:
+                    save_checkpoint(run.out / "checkpoints", step, model, run.optimizer, run.scheduler,
+                                    state=checkpoint_state(args, model, step, run.logger.wandb_run_id),
+                                    extra={"producer_weights": producer.in_flight(step)} if producer else None)
+                except CheckpointError as e:  # a full disk: one line, the partial folder removed
+                    failure = (e, 2)
+                    break
             if stopping:
                 status = stop.exit_status
                 tqdm.write(f"stopped after step {step} of {args.steps}: checkpoint saved in "
                            f"{run.out / 'checkpoints'}; continue with --resume")
                 break
     bar.close()
+    if failure is not None:
+        status = fail(failure[0], code=failure[1])
     if producer is not None:
         producer.stop()
     return status, samples
@@ -337,27 +350,31 @@ def write_outputs(run: Run, evaluator: Evaluator, train_samples, seconds: float)
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        run = load(argv)
-    except (UsageError, DatasetError) as e:
-        return fail(e)
-    torch.set_num_threads(run.args.threads)
-    seed_everything(run.args.seed)
-    build(run)
-    try:
-        resume(run)
-    except UsageError as e:
-        return fail(e)
-    evaluator = Evaluator(run, background=run.args.async_staleness is not None)
-    if run.start == 0:
-        evaluator.now(0)  # the warm start
-    t_start = time.time()
-    status, train_samples = train(run, evaluator)
-    evaluator.close()
-    run.logger.close()
-    if status == 0:
-        write_outputs(run, evaluator, train_samples, time.time() - t_start)
-    return status
+    with RunLock() as lock:  # one run at a time per --output-dir, held until main returns
+        try:
+            run = load(argv, lock)
+        except (UsageError, DatasetError) as e:
+            return fail(e)
+        torch.set_num_threads(run.args.threads)
+        seed_everything(run.args.seed)
+        build(run)
+        try:
+            resume(run)
+        except UsageError as e:
+            return fail(e)
+        evaluator = Evaluator(run, background=run.args.async_staleness is not None)
+        if run.start == 0:
+            evaluator.now(0)  # the warm start
+        t_start = time.time()
+        status, train_samples = train(run, evaluator)
+        evaluator.close()
+        run.logger.close()
+        if status == 0:
+            try:
+                write_outputs(run, evaluator, train_samples, time.time() - t_start)
+            except CheckpointError as e:  # a full disk writing final/
+                return fail(e)
+        return status
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
     model, tokenizer = load_policy(args)  # UsageError when the model cannot be loaded
 
 A `UsageError` is printed as one line on stderr by `fail` and the process exits
-with status 2; nothing has been written at that point.
+with status 2; nothing has been written at that point. (So is a full disk while saving, with
+`CheckpointError`, after the partial checkpoint is removed.)
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="main.py",
         description="GRPO with a calculator tool: rollouts -> rewards -> GRPO loss -> optimizer step.",
-        epilog="exit status: 0 done; 2 bad input (one line, nothing written); 3 a non-finite update (nothing "
+        epilog="exit status: 0 done; 2 bad input (one line, nothing written), another run in --output-dir, or no "
+               "space left writing a checkpoint (one line, the partial folder removed); 3 a non-finite update (nothing "
                "saved); 143 / 130 stopped by SIGTERM / SIGINT after the step in progress and a checkpoint "
                "(continue with --resume; a second signal stops at once)")
     p.add_argument("--model", default=str(DEFAULT_MODEL),
@@ -72,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "flag that shapes the weights or the data differs, or when every checkpoint is corrupt")
     p.add_argument("--restart", action="store_true",
                    help="start over from step 0 in an --output-dir that holds a run: its checkpoints/ and final/ "
-                        "are deleted and metrics.jsonl rewritten (e.g. when every checkpoint is corrupt)")
+                        "are emptied (a symlinked one keeps its link) and metrics.jsonl rewritten (e.g. when every "
+                        "checkpoint is corrupt)")
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (0: only the last)")
     p.add_argument("--eval-every", type=int, default=5, help="steps between evaluations (0: first and last)")
     p.add_argument("--eval-size", type=int, default=200, help="held-out problems for greedy accuracy")
@@ -162,10 +165,21 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def check_output_dir(out: Path, resume: bool) -> None:
-    """A directory we may write into: not a file, and not another run's unless resuming (or restarting) it."""
+    """A directory we may write into: not a file, and not another run's unless resuming (or restarting) it.
+
+    Its checkpoints/ and final/, where present, are readable directories (a symlink to one is fine; a
+    dangling one is refused in every mode, so nothing starts that could not save or resume).
+    """
+    from SimpleTorchLLMRL.utils.checkpoint import CheckpointError, check_directory
+
     for parent in [out, *out.parents]:
         if parent.exists() and not parent.is_dir():
             raise UsageError(f"--output-dir {out}: {parent} is a file, not a directory")
+    for name in ("checkpoints", "final") if out.is_dir() else ():
+        try:
+            check_directory(out / name)
+        except CheckpointError as e:
+            raise UsageError(f"--output-dir {out}: {e}; nothing was changed") from e
     if out.is_dir() and not resume:
         taken = [n for n in ("metrics.jsonl", "checkpoints", "final") if (out / n).exists()]
         if taken:

@@ -9,7 +9,7 @@ Refused, with nothing written (exit 2): a flag that shapes the weights differs (
 first: --model, --lora, --qlora, --lora-rank, --lora-alpha, --dtype, then the model's config), a flag
 that shapes the data or the updates differs, --steps below the checkpoint's step, every
 checkpoint corrupt (`--restart` starts over instead), a metrics.jsonl with a bad line that is
-not a torn last line.
+not a torn last line, a checkpoints/ that is a dangling symlink or cannot be read.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from SimpleTorchLLMRL.recipes.calculator.cli import UsageError
-from SimpleTorchLLMRL.utils.checkpoint import find_checkpoint
+from SimpleTorchLLMRL.utils.checkpoint import CheckpointError, find_checkpoint
 from SimpleTorchLLMRL.utils.jsonl import read_jsonl
 from SimpleTorchLLMRL.utils.warn import warn_user
 
@@ -61,7 +61,10 @@ def resume_point(out: Path, args: argparse.Namespace, model) -> tuple[Path | Non
     if not args.resume:
         return None, None
     root = out / "checkpoints"
-    ckpt, skipped = find_checkpoint(root)  # the newest complete one; why each newer one was skipped
+    try:
+        ckpt, skipped = find_checkpoint(root)  # the newest complete one; why each newer one was skipped
+    except CheckpointError as e:  # a dangling symlink, not a directory, unreadable
+        raise UsageError(f"--resume: {e}; nothing was changed") from e
     if ckpt is None:
         if skipped:
             raise UsageError(f"--resume: every checkpoint in {root} is corrupt ({skipped[0]}); nothing was "
@@ -111,6 +114,25 @@ def check_metrics(out: Path) -> bool:
 
 
 def start_over(out: Path) -> None:
-    """--restart: drop the run's checkpoints and final model (metrics.jsonl is rewritten by the new run)."""
+    """--restart: empty the run's checkpoints/ and final/ (metrics.jsonl is rewritten by the new run).
+
+    A symlinked one keeps its link and loses what its target holds. UsageError naming what could not be
+    deleted; nothing is skipped quietly.
+    """
     for name in ("checkpoints", "final"):
-        shutil.rmtree(out / name, ignore_errors=True)
+        path = out / name
+        try:
+            if path.is_symlink():
+                for child in path.iterdir():
+                    _delete(child)
+            elif path.exists():
+                shutil.rmtree(path)
+        except OSError as e:
+            raise UsageError(f"--restart: cannot delete {e.filename or path}: {e.strerror or e}") from e
+
+
+def _delete(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()

@@ -1,4 +1,4 @@
-"""Small helpers `main.py` uses around its loop: step seeds, the sampler, the metrics log, files.
+"""Small helpers `main.py` uses around its loop: step seeds, the sampler, the metrics log, files, the run lock.
 
 The steps every loop shares (seeding, the LR schedule, the checked optimizer step, checkpoints)
 are the library's: `SimpleTorchLLMRL.utils.training` and `SimpleTorchLLMRL.utils.checkpoint`.
@@ -9,9 +9,11 @@ Nothing here runs the loop; `main.py` does, top to bottom.
 from __future__ import annotations
 
 import copy
+import fcntl
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 from collections import deque
@@ -19,9 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.recipes.calculator.cli import UsageError
 from SimpleTorchLLMRL.utils.jsonl import read_jsonl
 
 ROLLOUT_STREAM, EVAL_STREAM = 0, 1
+LOCK_NAME = ".lock"  # in --output-dir while a run holds it
 
 
 def step_seed(seed: int, step: int, stream: int = ROLLOUT_STREAM) -> int:
@@ -164,3 +168,82 @@ class StopOnSignal:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous.clear()
+
+
+class RunLock:
+    """One run at a time in an output dir: an exclusive flock on `out/.lock`, held until `release`.
+
+        with RunLock() as lock:
+            lock.acquire(out)   # UsageError naming the other run's PID when one holds it; idempotent
+            ...                 # the run
+                                # released (and the file removed) on exit
+
+    The file holds the holder's PID and host. A file left by a killed run holds no lock (the kernel
+    drops it with the process) and is taken over.
+    """
+
+    def __init__(self):
+        self.path: Path | None = None
+        self.fd: int | None = None
+
+    def acquire(self, out: Path) -> None:
+        if self.fd is not None:
+            return
+        path = out / LOCK_NAME
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            while True:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = _lock_holder(fd)
+                    os.close(fd)
+                    raise UsageError(f"--output-dir {out} is in use by another run ({holder}); wait for it to end "
+                                     "or choose another --output-dir") from None
+                except OSError:
+                    os.close(fd)
+                    raise
+                if _names(path, fd):
+                    break
+                os.close(fd)  # the run that held it removed the file as we opened it: lock the new one
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        except OSError as e:
+            raise UsageError(f"--output-dir {out}: cannot lock {path}: {e.strerror or e}") from e
+        self.path, self.fd = path, fd
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            if _names(self.path, self.fd):
+                os.unlink(self.path)  # before the lock goes: a run that opened it now sees another file
+        finally:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether `path` is still the file open as `fd`."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _lock_holder(fd: int) -> str:
+    """ "pid N" (and "on HOST" when it is another machine) from a lock file's contents."""
+    words = os.pread(fd, 256, 0).decode("utf-8", "replace").split()
+    if not words:
+        return "pid unknown"
+    host = f" on {words[1]}" if len(words) > 1 and words[1] != socket.gethostname() else ""
+    return f"pid {words[0]}{host}"
