@@ -103,7 +103,12 @@ def _harness_source() -> str:
 
 def harness_program(job: dict) -> str:
     """The whole program a sandbox run executes for `job` (code_harness.py)."""
-    return f"{_harness_source()}\n_stlr_main({json.dumps(job)!r})\n"
+    return f"{_harness_source()}\n_stlr_main({_literal(job)})\n"
+
+
+def _literal(value: Any) -> str:
+    """`value` (dicts, lists, str, int, float, bool, None: a job) as Python source; JSON floats spelled out."""
+    return repr(json.loads(json.dumps(value, allow_nan=False)))
 
 
 def _flat_json_array(line: str) -> bool:
@@ -125,7 +130,7 @@ def parse_report(report: bytes, nonce: bytes) -> tuple[dict[Any, tuple], str | N
         if not raw:
             continue
         try:
-            line = raw.decode("ascii")
+            line = raw.decode("utf-8")
             item = json.loads(line) if _flat_json_array(line) else None
         except (UnicodeDecodeError, ValueError):
             item = None

@@ -15,19 +15,16 @@ dict), namedtuple (a namedtuple of the same fields), Fraction, Decimal, numpy sc
 (as the Python scalar they hold) and numpy arrays of numbers or bools. Anything else
 raises `CodecError`, and a test that compares it scores 0.
 
-This file is also sent into the sandbox as the source of the encoder: it imports only the
-standard library, and numpy only when the solution itself already did.
+This file is also sent into the sandbox as the source of the encoder and runs in every
+run: it imports nothing at the top (a module the solution returned a value of is already
+in `sys.modules`; numpy only ever so), and the decoder imports what a tag needs.
 """
 
-import collections
-import decimal
-import fractions
-import math
 import sys
 
 MAX_DEPTH = 100  # nesting of containers, both ways
 _CONTAINERS = {"l": list, "t": tuple, "S": set, "Z": frozenset}
-_MAPPINGS = {"d": dict, "o": collections.OrderedDict, "C": collections.Counter}
+_MAPPINGS = {"d": "dict", "o": "OrderedDict", "C": "Counter"}
 _NAMEDTUPLES = {}  # (typename, fields) -> a fresh namedtuple class, made once
 
 
@@ -56,9 +53,10 @@ def _scalar(x):
         return ["s", x]
     if t is bytes:
         return ["b", x.hex()]
-    if t is fractions.Fraction:
+    fractions, decimal = sys.modules.get("fractions"), sys.modules.get("decimal")
+    if fractions is not None and t is fractions.Fraction:
         return ["q", hex(x.numerator), hex(x.denominator)]
-    if t is decimal.Decimal:
+    if decimal is not None and t is decimal.Decimal:
         return ["D", str(x)]
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(x, numpy.generic) and not isinstance(x, (numpy.void, numpy.object_)):
@@ -75,8 +73,11 @@ def _children(x):
         tag = {list: "l", tuple: "t", set: "S", frozenset: "Z"}[t]
         items = list(x)
         return tag, [len(items)], items
-    if t in (dict, collections.OrderedDict, collections.Counter, collections.defaultdict):
-        tag = {collections.OrderedDict: "o", collections.Counter: "C"}.get(t, "d")
+    collections = sys.modules.get("collections")
+    kinds = {dict: "d"} if collections is None else {
+        dict: "d", collections.defaultdict: "d", collections.OrderedDict: "o", collections.Counter: "C"}
+    if t in kinds:
+        tag = kinds[t]
         pairs = list(dict.items(x))
         return tag, [len(pairs)], [v for pair in pairs for v in pair]
     if isinstance(x, tuple) and type(getattr(t, "_fields", None)) is tuple:
@@ -138,6 +139,8 @@ def _count(tokens, i):
 
 
 def _namedtuple(name, fields):
+    import collections
+
     key = (name, tuple(fields))
     if key not in _NAMEDTUPLES:
         if len(_NAMEDTUPLES) > 256:
@@ -150,7 +153,10 @@ def _finish(tag, header, items):
     if tag in _CONTAINERS:
         return _CONTAINERS[tag](items)
     if tag in _MAPPINGS:  # dict(pairs) first: Counter(pairs) would count the pairs themselves
-        return _MAPPINGS[tag](dict(zip(items[0::2], items[1::2], strict=True)))
+        import collections
+
+        kind = dict if tag == "d" else getattr(collections, _MAPPINGS[tag])
+        return kind(dict(zip(items[0::2], items[1::2], strict=True)))
     if tag == "n":
         return _namedtuple(header[0], header[1])(*items)
     raise CodecError(f"unknown container tag {tag!r}")
@@ -175,13 +181,19 @@ def _read_scalar(tokens, i):
     if tag == "b" and type(arg) is str:
         return bytes.fromhex(arg), i + 2
     if tag == "q":
+        import fractions
+
         return fractions.Fraction(_hexint(arg), _hexint(tokens[i + 2] if i + 2 < len(tokens) else None)), i + 3
     if tag == "D" and type(arg) is str:
+        import decimal
+
         return decimal.Decimal(arg), i + 2
     return _END, i
 
 
 def _read_array(tokens, i):
+    import math
+
     import numpy  # the caller's side: numpy is a dependency of the library
 
     dtype, ndim = tokens[i], _count(tokens, i + 1)

@@ -1,7 +1,7 @@
 """The program CodeEnv runs in the sandbox: it computes values, and never decides a verdict.
 
-`program(job)` is this file's source after code_codec.py's, then a call of `_stlr_main`
-with the job as a JSON string. Inside the sandbox it runs the data set's prelude and
+`harness_program(job)` (code.py) is this file's source after code_codec.py's, then a call
+of `_stlr_main` with the job as a Python literal (no import parses it). Inside the sandbox it runs the data set's prelude and
 the solution, then, by the job's mode:
 
 - "calls": each call the tests make of the solution (`f(2, 3)`, `Solution().two_sum(...)`,
@@ -17,11 +17,11 @@ the solution, then, by the job's mode:
 fd 3 holds a per-run nonce, fd 4 is the report: the nonce on the first line, then one flat
 JSON array per line. The program can forge any of it; it gains nothing by that, since the
 expected values never enter the sandbox and the report is only data to the caller.
-Standard library only: this runs under the sandbox's interpreter, in `python -I`.
+Standard library only, and only modules the interpreter has loaded at start (plus `time`):
+this runs under the sandbox's interpreter, in `python -I`, in every run.
 """
 
 import io
-import json
 import os
 import sys
 import time
@@ -34,8 +34,18 @@ except NameError:
 _OUT_LIMIT = 1 << 20  # bytes of a stdio case's output kept
 
 
+_JSON_ESCAPES = {**{c: f"\\u{c:04x}" for c in (*range(32), *range(0xD800, 0xE000))}, 34: '\\"', 92: "\\\\"}
+
+
+def _stlr_json(item):
+    """A str, int or float as JSON text (the report's lines are flat arrays of these), without `json`."""
+    if type(item) is str:
+        return '"' + item.translate(_JSON_ESCAPES) + '"'
+    return repr(int(item)) if type(item) is int else repr(float(item))
+
+
 def _stlr_write(line):
-    data = (json.dumps(line) + "\n").encode("utf-8", "surrogatepass")
+    data = ("[" + ", ".join(map(_stlr_json, line)) + "]\n").encode("utf-8")
     while data:
         data = data[os.write(4, data):]
 
@@ -180,10 +190,9 @@ def _stlr_inside(job):
     _stlr_write(["end", seen[0]])
 
 
-def _stlr_main(job_json):
+def _stlr_main(job):
     nonce = os.read(3, 64)
     os.close(3)
     os.write(4, nonce + b"\n")
     _stlr_empty_stdin()
-    job = json.loads(job_json)
     {"calls": _stlr_calls, "stdio": _stlr_stdio, "inside": _stlr_inside}[job["mode"]](job)
