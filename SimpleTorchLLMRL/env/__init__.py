@@ -1,7 +1,8 @@
 """Environments: the `Env` protocol, QA / tool-use / code envs, triggers, and `collect_rollouts`."""
 
 from SimpleTorchLLMRL.env.base import Env, SingleTurnEnv
-from SimpleTorchLLMRL.env.code import CodeEnv
+from SimpleTorchLLMRL.env.code import CodeEnv, CodeScores, Verdict
+from SimpleTorchLLMRL.env.code_formats import CodeTests
 from SimpleTorchLLMRL.env.QASolve import QASolverEnv
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
 from SimpleTorchLLMRL.env.ToolQASolve import ToolEpisode, ToolUseEnv, tool_stats
@@ -9,6 +10,8 @@ from SimpleTorchLLMRL.env.triggers import CodeTrigger, NoneTrigger, Trigger, Tri
 
 __all__ = [
     "CodeEnv",
+    "CodeScores",
+    "CodeTests",
     "CodeTrigger",
     "Env",
     "NoneTrigger",
@@ -19,6 +22,7 @@ __all__ = [
     "Trigger",
     "TriggerEnv",
     "TriggerEpisode",
+    "Verdict",
     "collect_rollouts",
     "tool_stats",
 ]
