@@ -177,3 +177,12 @@ def test_real_answers_still_score_as_before():
     assert boxed_.is_correct("7", ["7"]) and not boxed_.is_correct("7", "8")
     with pytest.raises(ValueError, match="a ground truth is missing: it is NaN"):  # called alone: no row to name
         boxed_.is_correct("nan", float("nan"))
+
+
+def test_a_numpy_array_of_answers_is_a_list_of_answers():
+    np = pytest.importorskip("numpy")
+    from SimpleTorchLLMRL.reward.base import answers_of
+
+    assert answers_of(np.array(["12", "twelve"], dtype=object)) == ["12", "twelve"]  # not the text "['12' ...]"
+    with pytest.raises(ValueError, match="row 4.*NaN"):
+        answers_of(np.array([1.5, np.nan]), row=4)

@@ -409,3 +409,12 @@ def test_math_example_dry_run():
     out = _run(["examples/router_r1_math_qwen.py", "--dry-run"])
     assert out.returncode == 0, out.stderr[-3000:]
     assert "dry run ok" in out.stdout
+
+
+@pytest.mark.parametrize("missing", [None, float("nan"), "", [], ["Paris", float("nan")]])
+def test_router_r1_reward_refuses_a_missing_gold_answer(missing):
+    from SimpleTorchLLMRL.recipes.router_r1.reward import golds_of
+
+    with pytest.raises(ValueError, match="gold answer"):  # `nan` used to be a gold the model could write
+        golds_of(missing)
+    assert golds_of({"target": ["Paris", "paris"]}) == ["Paris", "paris"] and golds_of(3) == ["3"]

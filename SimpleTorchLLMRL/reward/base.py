@@ -77,6 +77,8 @@ def answers_of(ground_truth: Any, row: int | None = None) -> list[Any]:
     (see `missing_reason`), is an empty list, or holds a missing answer.
     """
     where = "a ground truth" if row is None else f"the ground truth of row {row}"
+    if hasattr(ground_truth, "tolist") and not isinstance(ground_truth, (str, bytes, numbers.Number)):
+        ground_truth = ground_truth.tolist()  # a numpy array of answers (a list cell of a parquet file)
     if isinstance(ground_truth, (list, tuple)):
         if not ground_truth:
             raise ValueError(f"{where} is missing: it is an empty list; give at least one acceptable answer")

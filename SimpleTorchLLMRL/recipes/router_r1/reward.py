@@ -30,6 +30,7 @@ from SimpleTorchLLMRL.recipes.router_r1.config import RouterRewardConfig
 from SimpleTorchLLMRL.recipes.router_r1.generation import RouterState
 from SimpleTorchLLMRL.recipes.router_r1.pool import RoutingPool
 from SimpleTorchLLMRL.recipes.router_r1.tags import final_answer, format_problems, searches
+from SimpleTorchLLMRL.reward.base import answers_of
 from SimpleTorchLLMRL.reward.text import exact_match_score, f1_score
 
 COMPONENTS = ("answer", "missing_answer", "malformed", "unknown_model", "over_budget", "cost")
@@ -37,17 +38,19 @@ METRICS = ("em", "f1", "routing_cost", "routed_calls", "well_formed", "answered"
 
 
 def golds_of(ground_truth: Any) -> list[str]:
-    """A gold answer or a list of acceptable ones, as strings (a dict with "target" as in the original data)."""
+    """A gold answer or a list of acceptable ones, as strings (a dict with "target" as in the original data).
+
+    A missing one (None, NaN, pandas NA, blank, an empty list) is a ValueError (reward.base.answers_of)."""
     if isinstance(ground_truth, dict) and "target" in ground_truth:
         ground_truth = ground_truth["target"]
-    if ground_truth is None:
-        raise ValueError("Router-R1 reward needs a gold answer per rollout (argument or metadata['answer'])")
-    if isinstance(ground_truth, str) or not isinstance(ground_truth, Iterable):
-        return [str(ground_truth)]
-    golds = [str(g) for g in ground_truth]
-    if not golds:
-        raise ValueError("a list of gold answers must not be empty")
-    return golds
+    if not isinstance(ground_truth, (str, list, tuple)) and isinstance(ground_truth, Iterable) \
+            and not hasattr(ground_truth, "tolist"):
+        ground_truth = list(ground_truth)
+    try:
+        return [str(g) for g in answers_of(ground_truth)]
+    except ValueError as e:
+        raise ValueError(f"Router-R1 reward needs a gold answer per rollout (argument or "
+                         f"metadata['answer']): {e}") from None
 
 
 def answer_scores(answer: str | None, golds: Sequence[str], keep_numbers: bool = True) -> tuple[float, float]:
