@@ -63,6 +63,7 @@ DEFAULT_CODE_PROMPT = (
     "Your last code block is checked against hidden tests."
 )
 _UNSPLIT = ("zero", "inside")
+_NO_CODE = "no ```python block"
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
@@ -202,7 +203,7 @@ class CodeEnv(ToolUseEnv):
         tests = from_answer(getattr(state, "answer", None))
         code = last_code_block(rollout)
         if code is None:
-            return Verdict(0.0, 0, len(tests), "no ```python block")
+            return Verdict(0.0, 0, len(tests), _NO_CODE)
         if len(code) > self.sandbox.max_code_chars:
             return Verdict(0.0, 0, len(tests), f"the code is over {self.sandbox.max_code_chars} characters")
         results, problem = self._run(tests.job(code))
@@ -234,9 +235,9 @@ class CodeEnv(ToolUseEnv):
         metrics = {
             "code/reward": sum(v.reward for v in verdicts) / n,
             "code/tests_passed": sum(v.passed for v in verdicts) / max(1, sum(v.total for v in verdicts)),
-            "code/no_code": sum(v.reason == "no ```python block" for v in verdicts) / n,
+            "code/no_code": sum(v.reason == _NO_CODE for v in verdicts) / n,
             "code/unsplit": float(sum(v.unsplit for v in verdicts)),
-            "code/failed_runs": float(sum(v.reason is not None and not v.unsplit for v in verdicts)),
+            "code/failed_runs": float(sum(v.reason not in (None, _NO_CODE) and not v.unsplit for v in verdicts)),
         }
         return CodeScores(torch.tensor([v.reward for v in verdicts], dtype=torch.float32), verdicts, metrics)
 
