@@ -279,3 +279,22 @@ def test_score_runs_in_parallel_and_agrees_with_one_at_a_time(env):
     assert scores.verdicts[2].passed == 1 and scores.verdicts[2].total == 3
     with pytest.raises(ValueError, match="workers"):
         CodeEnv(workers=0)
+
+
+@pytest.mark.parametrize("solution,tests,reward", [
+    ("def max(x):\n    return x * x", "assert max(3) == 9", 1.0),  # the solution's max, not the builtin
+    ("def max(x):\n    return 3", "assert max(3) == 9", 0.0),
+    ("def string(n):\n    return str(n)", "assert string(5) == '5'", 1.0),  # a stdlib module's name
+    ("def f(xs):\n    return sorted(xs)", "assert f([2, 1]) == sorted([1, 2])", 1.0),  # the builtin, on the host
+])
+def test_a_solution_may_name_its_function_as_a_builtin_or_a_module(env, solution, tests, reward):
+    assert verdict(env, solution, tests).reward == reward
+
+
+def test_a_data_sets_test_that_exits_is_an_error_not_an_exit():
+    with pytest.raises(ValueError, match="SystemExit"):
+        CodeTests.from_asserts("import sys\nsys.exit(0)\nassert f(1) == 1")
+    tests = CodeTests.from_asserts("assert f(1) == 1\nimport sys\nsys.exit(0)\nassert f(2) == 2")
+    with pytest.warns(UserWarning, match="SystemExit"):  # tests that end half-way cannot be split: they pay 0
+        v = verdict(CodeEnv(PythonSandbox(timeout=10)), "def f(x):\n    return x", tests)
+    assert v.reward == 0.0 and v.unsplit

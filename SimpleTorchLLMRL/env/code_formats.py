@@ -28,7 +28,7 @@ from typing import Any
 
 from SimpleTorchLLMRL.env.code_codec import CodecError, encode
 from SimpleTorchLLMRL.env.code_replay import RemoteCall, TestProgram, free_names, record
-from SimpleTorchLLMRL.env.code_tests import AssertTests, CallTests, CodeTests, StdioTests
+from SimpleTorchLLMRL.env.code_tests import AssertTests, CallTests, CodeTests, StdioTests, top_level_names
 from SimpleTorchLLMRL.reward.base import missing_reason
 
 ACCEPTED = (
@@ -70,23 +70,14 @@ def _strings(value: Any, what: str) -> list[str]:
     return list(value)
 
 
-def _top_level_names(src: str) -> set[str]:
-    names = set()
-    for node in ast.parse(src).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
-        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-    return names
-
-
 def _asserts(tests: str, prelude: str, fmt: str, *, inside_prelude: str, remote: tuple[str, ...] = (),
              entry: str = "", question: str | None = None) -> AssertTests:
     try:
-        free = free_names(tests, _top_level_names(prelude))
+        free = free_names(tests, top_level_names(prelude))
+        if not free and not remote:  # `assert max(3) == 9` tests a `max` of the solution's: what else would it?
+            called = {n.func.id for n in ast.walk(ast.parse(tests)) if isinstance(n, ast.Call)
+                      and isinstance(n.func, ast.Name)}
+            free = free_names(tests, top_level_names(prelude), shadowed=called)
     except SyntaxError as e:
         raise ValueError(f"{fmt} tests are not Python: {e}") from None
     program = TestProgram(tests, tuple(dict.fromkeys((*remote, *free))), prelude, entry)
@@ -102,7 +93,7 @@ def from_humaneval(row: Mapping) -> AssertTests:
     prompt runs before the solution (its helpers, e.g. `poly`, exist) and, here, before the tests."""
     prompt, test = _text(row, "prompt", "HumanEval"), _text(row, "test", "HumanEval")
     entry = _text(row, "entry_point", "HumanEval")
-    if "check" not in _top_level_names(test):
+    if "check" not in top_level_names(test):
         raise ValueError("a HumanEval row's test must define check(candidate)")
     return _asserts(test, prompt, "humaneval", inside_prelude=prompt, remote=(entry,), entry=f"check({entry})",
                     question=prompt)

@@ -290,8 +290,9 @@ def _builtins() -> dict:
     return names
 
 
-def free_names(tests: str, bound: set[str]) -> tuple[str, ...]:
-    """Names the tests read but never bind (nor does `bound`, nor builtins, nor a stdlib module): the solution's."""
+def free_names(tests: str, bound: set[str], *, shadowed: set[str] = frozenset()) -> tuple[str, ...]:
+    """Names the tests read but never bind (nor does `bound`, nor builtins, nor a stdlib module): the solution's.
+    shadowed: builtin or module names the solution defines itself (`def max(...)`): those are the solution's too."""
     tree = ast.parse(tests)
     loaded, stored = set(), set()
     for node in ast.walk(tree):
@@ -305,8 +306,9 @@ def free_names(tests: str, bound: set[str]) -> tuple[str, ...]:
             stored.add((node.asname or node.name).split(".")[0])
         elif isinstance(node, ast.ExceptHandler) and node.name:
             stored.add(node.name)
-    free = loaded - stored - bound - set(dir(builtins))
-    return tuple(sorted(n for n in free if n not in sys.stdlib_module_names))
+    free = loaded - stored - bound
+    return tuple(sorted(n for n in free if n in shadowed or (n not in sys.stdlib_module_names
+                                                              and not hasattr(builtins, n))))
 
 
 def _namespace(program: TestProgram, pass_: _Pass) -> dict:
@@ -314,7 +316,7 @@ def _namespace(program: TestProgram, pass_: _Pass) -> dict:
     exec(compile(program.prelude, "<prelude>", "exec"), ns)
     tree = ast.parse(program.tests)
     for n in {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}:
-        if n in sys.stdlib_module_names and n not in ns and n not in program.remote:
+        if n in sys.stdlib_module_names and n not in ns and n not in program.remote and not hasattr(builtins, n):
             ns[n] = importlib.import_module(n)  # `math.isclose(...)` in tests that forgot `import math`
     for name in program.remote:
         ns[name] = _Remote(pass_, ("g", name))
@@ -336,7 +338,7 @@ def record(program: TestProgram) -> Recording:
     pass_ = _Pass()
     try:
         _run(program, pass_)
-    except Exception as e:  # noqa: BLE001
+    except (Exception, SystemExit) as e:  # noqa: BLE001  (a data set's test that calls exit() ends here)
         if not pass_.calls:
             raise ValueError(f"the tests raise {type(e).__name__}: {e} before calling the solution") from None
         pass_.unsplit = pass_.unsplit or f"the tests raise {type(e).__name__} on placeholder results"
@@ -360,7 +362,7 @@ def replay(program: TestProgram, recording: Recording, results: dict[int, tuple]
         return Outcome(pass_.asserts, f"the tests' calls depend on the solution's results: {e}", unsplit=True)
     except RecursionError:
         return Outcome(pass_.asserts, "the tests hit the recursion limit")
-    except Exception as e:  # noqa: BLE001  (e.g. a call that raised, outside an assert)
+    except (Exception, SystemExit) as e:  # noqa: BLE001  (e.g. a call that raised, outside an assert)
         return Outcome(pass_.asserts, f"the tests stopped: {type(e).__name__}: {str(e)[:200]}")
     if len(pass_.calls) != len(recording.calls) or len(pass_.asserts) != recording.asserts:
         return Outcome(pass_.asserts, "the tests took another path than in the first pass", unsplit=True)
