@@ -12,7 +12,7 @@ from fake_wandb import FakeWandb
 
 from SimpleTorchLLMRL.utils.checkpoint import load_checkpoint, save_checkpoint, save_pretrained_atomic
 from SimpleTorchLLMRL.utils.jsonl import cut_short, jsonl_records, read_jsonl
-from SimpleTorchLLMRL.utils.metrics import MetricsLogger
+from SimpleTorchLLMRL.utils.metrics import MetricsLogger, read_metrics
 from SimpleTorchLLMRL.utils.training import NonFiniteError, clipped_step, warmup_constant
 
 # ----------------------------------------------------------------------------- JSONL
@@ -168,3 +168,16 @@ def test_metrics_logger_resumes_the_given_wandb_run(tmp_path, monkeypatch):
     assert again.wandb_run_id == run_id
     again.close()
     assert MetricsLogger(tmp_path / "plain", console=False).wandb_run_id is None
+
+
+def test_metrics_logger_appending_after_a_torn_line_starts_a_new_line(tmp_path):
+    first = MetricsLogger(tmp_path, console=False)
+    first.log(1, {"loss": 1.0})
+    first.close()
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(path.read_bytes() + b'{"step": 2, "lo')  # a run killed mid-write
+    again = MetricsLogger(tmp_path, console=False, append=True)
+    again.log(3, {"loss": 0.5})
+    again.close()
+    assert path.read_bytes().count(b"\n") == 3  # the fragment kept its own line
+    assert [r["step"] for r in read_metrics(path)] == [1, 3]  # skipped; every whole row reads

@@ -36,7 +36,7 @@ from SimpleTorchLLMRL.chat.message import (  # noqa: F401 (the record functions:
     rollout_from_dict,
     rollout_to_dict,
 )
-from SimpleTorchLLMRL.utils.jsonl import jsonl_records
+from SimpleTorchLLMRL.utils.jsonl import ends_mid_line, jsonl_records
 
 # ---------------------------------------------------------------------- files
 
@@ -78,15 +78,6 @@ def load_rollouts(path) -> list[Rollout]:
     return out
 
 
-def _ends_mid_line(path: Path) -> bool:
-    """Does the file end inside a line (no newline after its last byte)? False for an empty file."""
-    with open(path, "rb") as f:
-        if f.seek(0, os.SEEK_END) == 0:
-            return False
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) != b"\n"
-
-
 class RolloutWriter:
     """Appends rollouts to a .jsonl file, one line each, written and fsynced at every `write`.
 
@@ -102,7 +93,7 @@ class RolloutWriter:
         self.skip_metadata = tuple(skip_metadata)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 (closed by close()); unbuffered: no half line kept
-        self._mid_line = _ends_mid_line(self.path)
+        self._mid_line = ends_mid_line(self.path)
 
     def write(self, rollouts: Iterable[Rollout]) -> None:
         lines = [json.dumps(rollout_to_dict(r, self.skip_metadata), ensure_ascii=False) + "\n" for r in rollouts]

@@ -107,3 +107,12 @@ def read_jsonl(path: str | os.PathLike, *, torn_tail: str = "warn") -> list[Any]
     """The records of a JSONL file (see the module docstring for torn lines)."""
     data = Path(path).read_bytes()
     return [record for _, record in jsonl_records(data, str(path), torn_tail=torn_tail)]
+
+
+def ends_mid_line(path: str | os.PathLike) -> bool:
+    """Does the file end inside a line (no newline after its last byte)? False for an empty file."""
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"

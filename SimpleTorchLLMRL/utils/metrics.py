@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from SimpleTorchLLMRL.utils.jsonl import read_jsonl
+from SimpleTorchLLMRL.utils.jsonl import ends_mid_line, read_jsonl
 
 
 def _plain(value: Any) -> Any:
@@ -59,7 +59,10 @@ class MetricsLogger:
         if output_dir is not None:
             path = Path(output_dir) / "metrics.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
+            torn = append and path.exists() and ends_mid_line(path)  # a run cut mid-line: start a new one
             self._file = open(path, "a" if append else "w", encoding="utf-8")
+            if torn:
+                self._file.write("\n")
         self._wandb_run = None
         if use_wandb:
             try:
