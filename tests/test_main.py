@@ -453,7 +453,7 @@ def test_resuming_a_finished_run_without_its_metrics_keeps_its_curves(finished_r
 def test_a_bad_middle_line_of_the_log_refuses_resume_naming_it(finished_run, tmp_path, capfd):
     out = _copy_run(finished_run, tmp_path)
     lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
-    lines[1] = '{"step": 1, "train/rew\n'
+    lines[1] = '{"step": 1, "train/reward": nope}\n'  # not a tear (a record cut short is skipped): refused
     (out / "metrics.jsonl").write_text("".join(lines))
     _refused([*FINISHED, "--steps", "3", "--output-dir", str(out), "--resume"], out, capfd, "line 2")
 

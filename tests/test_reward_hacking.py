@@ -186,3 +186,9 @@ def test_a_numpy_array_of_answers_is_a_list_of_answers():
     assert answers_of(np.array(["12", "twelve"], dtype=object)) == ["12", "twelve"]  # not the text "['12' ...]"
     with pytest.raises(ValueError, match="row 4.*NaN"):
         answers_of(np.array([1.5, np.nan]), row=4)
+
+
+@pytest.mark.parametrize("gold", [float("nan"), None, "  "])
+def test_math_equal_matches_nothing_against_a_missing_gold(gold):
+    assert not rmath.math_equal("nan", gold) and not rmath.math_equal("nan", gold, use_math_verify=False)
+    assert rmath.math_equal("nan", "nan")  # the text is an answer like any other

@@ -21,6 +21,7 @@ import functools
 import re
 import unicodedata
 
+from SimpleTorchLLMRL.reward.base import missing_reason
 from SimpleTorchLLMRL.reward.hedges import hedge_words, is_unit
 from SimpleTorchLLMRL.reward.math_verify_pool import ask_math_verify
 from SimpleTorchLLMRL.reward.numbers import NUM as _NUM
@@ -314,9 +315,11 @@ def math_equal(pred, gold, *, use_math_verify: bool | None = None, rel_tol: floa
     In order: the anti-hacking rules (`answer_rule`: hedges, unevaluated expressions
     against a numeric gold, exact numbers); then math-verify, whose verdict is final when
     it gives one (use_math_verify: None = when installed, True = required, False = never);
-    then the normalizer (`fallback_equal`). `timeout`: seconds math-verify may spend.
+    then the normalizer (`fallback_equal`). `timeout`: seconds math-verify may spend. A missing
+    gold (None, a float NaN, pandas NA, blank: `reward.base.missing_reason`) matches nothing:
+    the text "nan" is no answer to an empty cell.
     """
-    if pred is None or gold is None:
+    if pred is None or missing_reason(gold) is not None:
         return False
     pred, gold = str(pred), str(gold)
     verdict = answer_rule(pred, gold, rel_tol)
