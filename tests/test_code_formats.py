@@ -298,3 +298,9 @@ def test_a_data_sets_test_that_exits_is_an_error_not_an_exit():
     with pytest.warns(UserWarning, match="SystemExit"):  # tests that end half-way cannot be split: they pay 0
         v = verdict(CodeEnv(PythonSandbox(timeout=10)), "def f(x):\n    return x", tests)
     assert v.reward == 0.0 and v.unsplit
+
+
+def test_reward_takes_the_tests_themselves_as_the_state(env):
+    rollout = Rollout([Message("```python\ndef add(a, b):\n    return a + b\n```", MessageType.MODEL)])
+    assert env.reward(rollout, CodeTests.from_asserts("assert add(2, 3) == 5")) == 1.0
+    assert env.reward(rollout, MBPP_ROW) == 0.0  # a row of its data set: add is not similar_elements

@@ -200,7 +200,7 @@ class CodeEnv(ToolUseEnv):
 
     def verdict(self, rollout: Rollout, state: ToolEpisode | Any) -> Verdict:
         """How the last code block fares against the tests. ValueError only for tests of an unknown shape."""
-        tests = from_answer(getattr(state, "answer", None))
+        tests = from_answer(getattr(state, "answer", state))  # an episode's state, or the tests themselves
         code = last_code_block(rollout)
         if code is None:
             return Verdict(0.0, 0, len(tests), _NO_CODE)
@@ -227,7 +227,7 @@ class CodeEnv(ToolUseEnv):
             raise ValueError(f"got {len(rollouts)} rollouts but {len(states)} states")
         for i, s in enumerate(states):  # bad tests fail here, naming the row, before any run
             try:
-                from_answer(getattr(s, "answer", None))
+                from_answer(getattr(s, "answer", s))
             except ValueError as e:
                 raise ValueError(f"row {i}: {e}") from None
         with ThreadPoolExecutor(max_workers=self.workers) as pool:

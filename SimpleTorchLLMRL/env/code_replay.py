@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import importlib
 import random
 import sys
@@ -324,10 +325,15 @@ def _namespace(program: TestProgram, pass_: _Pass) -> dict:
     return ns
 
 
+@functools.lru_cache(maxsize=1024)
+def _guarded(tests: str) -> types.CodeType:
+    """The tests compiled with each assert in its guard (compiled once; code objects are shared read-only)."""
+    return compile(ast.fix_missing_locations(_GuardAsserts().visit(ast.parse(tests))), "<tests>", "exec")
+
+
 def _run(program: TestProgram, pass_: _Pass) -> None:
     ns = _namespace(program, pass_)
-    tree = ast.fix_missing_locations(_GuardAsserts().visit(ast.parse(program.tests)))
-    exec(compile(tree, "<tests>", "exec"), ns)
+    exec(_guarded(program.tests), ns)
     if program.entry:
         exec(compile(program.entry, "<tests>", "exec"), ns)
 
