@@ -181,14 +181,14 @@ class ModelGenerate:
         self._fitted[id(rollout)] = (rollout, _messages_key(rollout), ids)
         return len(ids) + self.max_new_tokens <= ctx
 
-    def _check_prompts(self, prompts: list[list[int]]) -> None:
+    def _check_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         ctx = self.max_context
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"rollout {i} encodes to an empty prompt; add a message before generating")
-            if ctx is not None and len(p) + self.max_new_tokens > ctx:
+            if ctx is not None and len(p) + max_new_tokens > ctx:
                 raise ValueError(
-                    f"rollout {i}: its prompt is {len(p)} tokens and max_new_tokens={self.max_new_tokens}, "
+                    f"rollout {i}: its prompt is {len(p)} tokens and max_new_tokens={max_new_tokens}, "
                     f"over the model's context of {ctx} tokens; shorten the rollout or lower max_new_tokens"
                 )
 
@@ -203,27 +203,30 @@ class ModelGenerate:
         and record it on each message; a list gives one adapter per rollout (None: as configured).
         The HF backend runs one batch per adapter, in order of first appearance; vLLM one batch.
         sampling: other sampling options for this call only (its empty eos_token_ids take the
-        generator's); seed: this call's seed instead of the next one of the generator's sequence.
+        generator's): an argument passed down to the backend, never stored, so `config` stays the
+        defaults while the call runs and other threads reading it see the defaults.
+        seed: this call's seed instead of the next one of the generator's sequence.
         Calls are not reentrant: one generation at a time per generator.
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive int, got {n!r}")
+        return self._generate(rollouts, n, adapter, seed, self._call_config(sampling))
+
+    def _call_config(self, sampling: SamplingConfig | None) -> SamplingConfig:
+        """This call's settings: the defaults, or `sampling` with the defaults' EOS ids where it has none
+        (refused early when the backend cannot record its log-probs, e.g. vLLM's log-probs mode)."""
         if sampling is None:
-            return self._generate(rollouts, n, adapter, seed)
+            return self.config
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-        own = self.config
-        call = dataclasses.replace(sampling, eos_token_ids=sampling.eos_token_ids or own.eos_token_ids)
+        call = dataclasses.replace(sampling, eos_token_ids=sampling.eos_token_ids or self.config.eos_token_ids)
         check = getattr(self.backend, "check_sampling", None)  # vLLM: its log-probs mode must fit the call
         if check is not None:
             check(call)
-        self.config = self.backend.cfg = call
-        try:
-            return self._generate(rollouts, n, adapter, seed)
-        finally:
-            self.config = self.backend.cfg = own
+        return call
 
-    def _generate(self, rollouts, n: int, adapter, seed: int | None) -> list[list[Message]]:
+    def _generate(self, rollouts, n: int, adapter, seed: int | None,
+                  sampling: SamplingConfig) -> list[list[Message]]:
         rollouts = list(rollouts)
         if not rollouts:
             return []
@@ -231,32 +234,34 @@ class ModelGenerate:
             if not isinstance(r, Rollout):
                 raise TypeError(f"rollout {i} is a {type(r).__name__}, not a Rollout")
         prompts = self.prompt_ids(rollouts)
-        self._check_prompts(prompts)
+        self._check_prompts(prompts, sampling.max_new_tokens)
         adapters = _per_rollout(adapter, len(rollouts))
         if adapters is None:
-            return self._sample(prompts, n, None, [None] * len(prompts), seed)
+            return self._sample(prompts, n, None, [None] * len(prompts), seed, sampling)
         if getattr(self.backend, "mixed_adapters", False):  # vLLM: one LoRARequest per prompt, one batch
-            return self._sample(prompts, n, adapters, adapters, seed)
+            return self._sample(prompts, n, adapters, adapters, seed, sampling)
         out: list[list[Message] | None] = [None] * len(prompts)
         for name in dict.fromkeys(adapters):  # one batch per adapter
             rows = [i for i, a in enumerate(adapters) if a == name]
-            for i, msgs in zip(rows, self._sample([prompts[i] for i in rows], n, name, [name] * len(rows), seed),
-                               strict=True):
+            for i, msgs in zip(rows, self._sample([prompts[i] for i in rows], n, name, [name] * len(rows), seed,
+                                                  sampling), strict=True):
                 out[i] = msgs
         return out
 
-    def _sample(self, prompts, n, adapter, recorded, seed: int | None = None) -> list[list[Message]]:
+    def _sample(self, prompts, n, adapter, recorded, seed: int | None,
+                sampling: SamplingConfig) -> list[list[Message]]:
         if seed is None and self._rng is not None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
         if adapter is None:
-            samples = self.backend.generate(prompts, n, seed)  # len(prompts) lists of n Samples
+            samples = self.backend.generate(prompts, n, seed, sampling=sampling)  # len(prompts) lists of n Samples
         else:
-            samples = self.backend.generate(prompts, n, seed, adapter=adapter)
-        return [[self._message(s, a) for s in group] for group, a in zip(samples, recorded, strict=True)]
+            samples = self.backend.generate(prompts, n, seed, sampling=sampling, adapter=adapter)
+        temperature = self.backend.logprob_temperature_for(sampling)
+        return [[self._message(s, temperature, a) for s in group] for group, a in zip(samples, recorded, strict=True)]
 
-    def _message(self, s: Sample, adapter: str | None = None) -> Message:
+    def _message(self, s: Sample, temperature: float, adapter: str | None = None) -> Message:
         return Message(s.text, MessageType.MODEL, token_ids=s.token_ids, logprobs=s.logprobs,
-                       finish_reason=s.finish_reason, temperature=self.backend.logprob_temperature,
+                       finish_reason=s.finish_reason, temperature=temperature,
                        policy_version=self.policy_version, adapter=adapter)
 
     def rollout_generate_response(self, rollout: Rollout, *, adapter: str | None = None) -> Message:

@@ -86,6 +86,8 @@ class HFBackend:
         check_vocabulary(model, tokenizer)
         self.decode = decode
         self.compile_decode: bool | None = None  # fast decode: torch.compile its forward (None: on CUDA)
+        # cfg: the generator's defaults (what `logprob_temperature` reports); `generate` samples with the
+        # SamplingConfig it is given and reads nothing else, so calls with other settings share no state
         self.tokenizer, self.cfg, self.batch_size = tokenizer, cfg, batch_size
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad is None:
@@ -95,16 +97,23 @@ class HFBackend:
 
     @property
     def logprob_temperature(self) -> float:
-        return self.cfg.logprob_temperature
+        return self.logprob_temperature_for(self.cfg)
+
+    def logprob_temperature_for(self, sampling: SamplingConfig) -> float:
+        """The temperature a call with `sampling` records its log-probs under."""
+        return sampling.logprob_temperature
 
     @property
     def max_context(self) -> int | None:
         ctx = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
         return int(ctx) if ctx else None
 
-    def generate(self, prompts: list[list[int]], n: int, seed: int | None,
+    def generate(self, prompts: list[list[int]], n: int, seed: int | None, *, sampling: SamplingConfig,
                  adapter: str | None = None) -> list[list[Sample]]:
-        """`n` samples per prompt; `adapter`: with that LoRA adapter of a multi-adapter peft model active."""
+        """`n` samples per prompt under `sampling` (this call's settings, never stored); `adapter`: with
+        that LoRA adapter of a multi-adapter peft model active."""
+        if not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         from SimpleTorchLLMRL.model.adapters import use_adapter
 
         expanded = [p for p in prompts for _ in range(n)]  # prompt-major: p0 x n, p1 x n, ...
@@ -125,7 +134,7 @@ class HFBackend:
                     torch.manual_seed(seed)
                 flat = []
                 for start in range(0, len(expanded), step):
-                    flat.extend(self._generate_batch(expanded[start: start + step], device, adapter))
+                    flat.extend(self._generate_batch(expanded[start: start + step], device, sampling, adapter))
         finally:
             self.model.train(was_training)
         return [flat[i * n: (i + 1) * n] for i in range(len(prompts))]
@@ -140,8 +149,8 @@ class HFBackend:
     def uses_fast_decode(self, device: torch.device) -> bool:
         return self.decode == "fast" or (self.decode == "auto" and device.type == "cuda" and self.fast_ok)
 
-    def _generate_batch(self, prompts: list[list[int]], device, adapter: str | None = None) -> list[Sample]:
-        cfg = self.cfg
+    def _generate_batch(self, prompts: list[list[int]], device, cfg: SamplingConfig,
+                        adapter: str | None = None) -> list[Sample]:
         B, L = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)  # (B, L) left-padded
         attention_mask = torch.zeros((B, L), dtype=torch.long)  # (B, L)
@@ -151,13 +160,13 @@ class HFBackend:
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         with torch.inference_mode():
             if self.uses_fast_decode(device):
-                new, logps = self._fast_decode(input_ids, attention_mask, device, adapter)
+                new, logps = self._fast_decode(input_ids, attention_mask, device, cfg, adapter)
             else:
-                new, logps = self._hf_generate(input_ids, attention_mask)
+                new, logps = self._hf_generate(input_ids, attention_mask, cfg)
         new_l, logps_l = new.tolist(), logps.tolist()
         return [cut_sample(self.tokenizer, ids, lps, cfg) for ids, lps in zip(new_l, logps_l, strict=True)]
 
-    def _fast_decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, device,
+    def _fast_decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, device, cfg: SamplingConfig,
                      adapter: str | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, n) ids and log-probs from the static-cache decoder of this shape (built, or reused from an
         earlier call on this model: one per model, `fast_decode.DECODERS`)."""
@@ -169,7 +178,6 @@ class HFBackend:
             slots_for,
         )
 
-        cfg = self.cfg
         B, L = input_ids.shape
         slots = slots_for(L, cfg.max_new_tokens)
         weights = tuple(p.data_ptr() for p in self.model.parameters())
@@ -192,11 +200,11 @@ class HFBackend:
         return held[1].decode(input_ids, attention_mask, cfg.max_new_tokens,
                                        row_stopped if stops else None)
 
-    def _hf_generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hf_generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, N) ids and log-probs from `model.generate` (greedy over our picker's forced scores)."""
         from transformers import LogitsProcessorList, StoppingCriteriaList
 
-        cfg = self.cfg
         L = input_ids.shape[1]
         picker = _Picker(cfg)
         criteria = StoppingCriteriaList([_StopOnStrings(self.tokenizer, cfg.all_stops, L)] if cfg.all_stops else [])

@@ -17,14 +17,23 @@ class Backend(Protocol):
     """What `ModelGenerate` needs from a backend (HF `generate` or vLLM)."""
 
     @property
-    def logprob_temperature(self) -> float: ...
+    def logprob_temperature(self) -> float:
+        """The temperature the generator's default settings record log-probs under."""
+        ...
+
+    def logprob_temperature_for(self, sampling: SamplingConfig) -> float:
+        """The temperature a call with `sampling` records its log-probs under."""
+        ...
 
     @property
     def max_context(self) -> int | None: ...
 
-    def generate(self, prompts: list[list[int]], n: int, seed: int | None) -> list[list[Sample]]:
-        """`n` Samples per prompt. Backends that serve several LoRA adapters also take `adapter=`
-        (a name; a list of one per prompt where `mixed_adapters` is True); it is only passed when set."""
+    def generate(self, prompts: list[list[int]], n: int, seed: int | None, *,
+                 sampling: SamplingConfig) -> list[list[Sample]]:
+        """`n` Samples per prompt under `sampling`, this call's settings: a backend reads no sampling
+        settings of its own during a call, so calls with other settings never see each other's.
+        Backends that serve several LoRA adapters also take `adapter=` (a name; a list of one per
+        prompt where `mixed_adapters` is True); it is only passed when set."""
         ...
 
     def push_weights(self, model, mode: str = "merged") -> None:

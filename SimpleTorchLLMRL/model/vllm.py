@@ -82,6 +82,8 @@ class VLLMBackend:
             llm = make_llm(llm, temperature=0.0 if cfg.greedy else cfg.temperature, **(vllm_kwargs or {}))
         elif vllm_kwargs:
             raise ValueError("vllm_kwargs only apply when ModelGenerate builds the engine from a model path")
+        # cfg: the generator's defaults (the engine is built and checked for them); `generate` samples
+        # with the SamplingConfig it is given and reads nothing else
         self.llm, self.cfg, self.lora_request = llm, cfg, lora_request
         self.tokenizer = tokenizer if tokenizer is not None else llm.get_tokenizer()
         model_config = engine_model_config(llm)
@@ -108,10 +110,13 @@ class VLLMBackend:
 
     @property
     def logprob_temperature(self) -> float:
-        return 1.0 if self.cfg.greedy else float(self.cfg.temperature)
+        return self.logprob_temperature_for(self.cfg)
 
-    def _sampling_params(self, n: int, seed: int | None):
-        cfg = self.cfg
+    def logprob_temperature_for(self, sampling: SamplingConfig) -> float:
+        """The temperature a call with `sampling` records its log-probs under (greedy: the raw logits, 1)."""
+        return 1.0 if sampling.greedy else float(sampling.temperature)
+
+    def _sampling_params(self, cfg: SamplingConfig, n: int, seed: int | None):
         return self.vllm.SamplingParams(
             n=n, temperature=0.0 if cfg.greedy else float(cfg.temperature),
             top_p=1.0 if cfg.top_p is None else float(cfg.top_p), top_k=int(cfg.top_k or 0),
@@ -128,16 +133,21 @@ class VLLMBackend:
                              f"call push_weights(model, mode='adapter', adapter={adapter!r}) first")
         return self.lora_requests[adapter]
 
-    def generate(self, prompts: list[list[int]], n: int, seed: int | None,
+    def generate(self, prompts: list[list[int]], n: int, seed: int | None, *, sampling: SamplingConfig,
                  adapter: str | list[str | None] | None = None) -> list[list[Sample]]:
-        """`n` samples per prompt; `adapter`: a pushed adapter's name, or one name (or None) per prompt."""
+        """`n` samples per prompt under `sampling` (this call's settings, never stored; refused when this
+        engine's log-probs mode cannot record them); `adapter`: a pushed adapter's name, or one name (or
+        None) per prompt."""
         from vllm.inputs import TokensPrompt
 
+        if not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        self.check_sampling(sampling)
         # vLLM refuses n > 1 with greedy decoding: repeat the prompt instead.
-        reps, per_request = (n, 1) if self.cfg.greedy else (1, n)
+        reps, per_request = (n, 1) if sampling.greedy else (1, n)
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(reps)]
         # vLLM seeds the j-th sample of a request with seed + j: stride so no two samples share a seed
-        params = [self._sampling_params(per_request, None if seed is None else seed + i * per_request)
+        params = [self._sampling_params(sampling, per_request, None if seed is None else seed + i * per_request)
                   for i in range(len(requests))]
         if isinstance(adapter, list):
             if len(adapter) != len(prompts):
@@ -147,16 +157,16 @@ class VLLMBackend:
         else:
             lora = self._lora_for(adapter)
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
-        samples = [self._sample(c) for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+        samples = [self._sample(c, sampling) for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         return [samples[i * n: (i + 1) * n] for i in range(len(prompts))]
 
-    def _sample(self, c) -> Sample:
+    def _sample(self, c, cfg: SamplingConfig) -> Sample:
         ids = [int(t) for t in c.token_ids]
         if c.logprobs is None or len(c.logprobs) != len(ids):
             raise RuntimeError("vLLM returned no per-token log-probs; SamplingParams(logprobs=0) was ignored")
         logprobs = [min(0.0, float(c.logprobs[k][tok].logprob)) for k, tok in enumerate(ids)]
         if c.finish_reason == "stop":
-            reason = "tool_call" if c.stop_reason in self.cfg.tool_call_stop else "stop"
+            reason = "tool_call" if c.stop_reason in cfg.tool_call_stop else "stop"
         else:  # "length", or "abort": cut short either way
             reason = "length"
         return Sample(ids, logprobs, reason, c.text)
