@@ -13,7 +13,9 @@ import signal
 import threading
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    from SimpleTorchLLMRL.gateway.limits import DEFAULT_MAX_BODY_BYTES
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a local HF model directory (or a vLLM model with --backend vllm)")
     ap.add_argument("--host", default="127.0.0.1")
@@ -25,7 +27,13 @@ def main(argv=None) -> None:
     ap.add_argument("--temperature", type=float, default=1.0, help="default temperature of a request")
     ap.add_argument("--tool-call-stop", nargs="*", default=["</tool_call>"],
                     help="stop strings that end a turn at a finished tool call")
-    a = ap.parse_args(argv)
+    ap.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                    help="larger request bodies are refused with 413 before they are read")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
 
     from SimpleTorchLLMRL.gateway import Gateway
     from SimpleTorchLLMRL.model.generate import ModelGenerate
@@ -40,7 +48,8 @@ def main(argv=None) -> None:
         model = AutoModelForCausalLM.from_pretrained(a.model).eval()
         generator = ModelGenerate(model, tokenizer, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                                   tool_call_stop=a.tool_call_stop or None)
-    gateway = Gateway(generator, model_name=a.served_model_name, record_to=a.record_to)
+    gateway = Gateway(generator, model_name=a.served_model_name, record_to=a.record_to,
+                      max_body_bytes=a.max_body_bytes)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with gateway.serve(a.host, a.port) as url:

@@ -21,7 +21,10 @@ from SimpleTorchLLMRL.model.sampling import SamplingConfig
 from SimpleTorchLLMRL.tools.parsers import JsonToolCallParser, parse_tool_calls
 
 MAX_N = 64
-FINISH = {"stop": "stop", "length": "length", "tool_call": "tool_calls"}
+MAX_SEED = 2**63 - 1  # a signed 64-bit integer, what the backends' generators take
+# a generator finish_reason as OpenAI's; a turn that stopped at a tool-call stop string is "tool_calls"
+# only when calls were parsed from it (`finish_reason`), else it is a plain "stop"
+FINISH = {"stop": "stop", "length": "length", "tool_call": "stop"}
 
 
 class RequestError(Exception):
@@ -104,6 +107,9 @@ def normalize_message(turn: Any, i: int) -> dict:
     role = "system" if role == "developer" else role
     if role not in ("system", "user", "assistant", "tool"):
         raise bad(f"{where}: unknown role {role!r}; expected system, developer, user, assistant or tool", "messages")
+    if turn.get("content") is None and not (role == "assistant" and turn.get("tool_calls")):
+        need = "an assistant message without tool_calls" if role == "assistant" else f"a {role} message"
+        raise bad(f"{where}.content is missing: {need} needs content", f"{where}.content")
     try:  # text parts and None content, as Rollout.from_chat reads them
         content = Rollout.from_chat([{"role": role, "content": turn.get("content")}])[0].content
     except (ValueError, TypeError) as e:
@@ -175,7 +181,7 @@ def parse_request(body: Any, model_name: str, defaults: SamplingConfig) -> ChatR
     if not isinstance(kwargs, dict):
         raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     return ChatRequest(chat=chat, tools=_tools(body), sampling=sampling, n=_int(body, "n", 1, MAX_N, 1),
-                       seed=_int(body, "seed", 0, None, None), stream=bool(body.get("stream")),
+                       seed=_int(body, "seed", 0, MAX_SEED, None), stream=bool(body.get("stream")),
                        include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
                        logprobs=bool(body.get("logprobs")), top_logprobs=top,
                        return_token_ids=bool(body.get("return_token_ids")), template_kwargs=kwargs)
@@ -209,6 +215,17 @@ def reply_view(text: str, tools: list[dict] | None, parsers: Sequence | None = N
                              "function": {"name": c.name, "arguments": json.dumps(c.arguments or {},
                                                                                   ensure_ascii=False)}}
                             for c in calls]
+
+
+def finish_reason(sampled: str | None, tool_calls: list[dict]) -> str:
+    """OpenAI's finish_reason of a reply: "tool_calls" exactly when the reply shows tool calls (clients
+    iterate over them on that value), else the generator's reason ("stop", "length"; a turn cut at a
+    tool-call stop string whose call is not shown, e.g. no tools offered or a malformed call: "stop")."""
+    if tool_calls:
+        return "tool_calls"
+    if sampled is not None and sampled not in FINISH:
+        raise ValueError(f"unknown finish_reason {sampled!r}; expected one of {sorted(FINISH)} or None")
+    return FINISH[sampled or "stop"]
 
 
 def logprobs_payload(tokenizer, ids: list[int], logprobs: list[float], top: list | None) -> dict:

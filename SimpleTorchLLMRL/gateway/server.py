@@ -14,6 +14,7 @@ session become rollouts: `gateway.sessions`. Wire format: `gateway.openai_format
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import socket
 import threading
@@ -23,12 +24,13 @@ from collections.abc import Iterator, Sequence
 from SimpleTorchLLMRL.chat.message import Message, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
 from SimpleTorchLLMRL.gateway.batcher import Batcher, Job
+from SimpleTorchLLMRL.gateway.limits import DEFAULT_MAX_BODY_BYTES, check_prompt_size, parse_json, read_body
 from SimpleTorchLLMRL.gateway.openai_format import (
-    FINISH,
     ChatRequest,
     RequestError,
     bad,
     completion_payload,
+    finish_reason,
     logprobs_payload,
     new_id,
     parse_request,
@@ -63,17 +65,26 @@ class Gateway:
     """An OpenAI-compatible server over `generator` that records each session's calls as rollouts.
 
     generator: a `ModelGenerate`; its sampling options are the defaults a request may override
-    (temperature, top_p, max_tokens, stop; its stop strings and tool-call stops always apply).
+    (temperature, top_p, max_tokens, stop; its stop strings and tool-call stops always apply), copied
+    once here: each request's settings go to its own generate call and never into the defaults.
     model_name: the `model` clients ask for (others get 404). record_to: a .jsonl file that
     receives every rollout once it is final (`RolloutWriter`). window / max_batch: requests
     arriving within `window` seconds are generated as one batch of at most `max_batch`.
     tool_parsers: how tool calls are read from sampled text (default: Hermes / Qwen `<tool_call>`
-    JSON, `tools.parsers.JsonToolCallParser`).
+    JSON, `tools.parsers.JsonToolCallParser`). max_body_bytes: larger request bodies get 413, refused
+    before they are read (`gateway.limits`).
     """
 
     def __init__(self, generator, *, model_name: str = "policy", record_to=None, window: float = 0.02,
-                 max_batch: int = 64, tool_parsers: Sequence | None = None):
+                 max_batch: int = 64, tool_parsers: Sequence | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be a positive number of bytes, got {max_body_bytes!r}")
         self.generator, self.model_name = generator, model_name
+        # the defaults requests are parsed against: copied once, so a generation in flight with a
+        # request's own settings can never leak into the parsing of another request
+        self.defaults = dataclasses.replace(generator.config)
+        self.max_body_bytes = max_body_bytes
         self.tool_parsers = tool_parsers
         self.store = SessionStore()
         self.batcher = Batcher(generator, window, max_batch)
@@ -153,8 +164,8 @@ class Gateway:
 
         app = fastapi.FastAPI(lifespan=lifespan)
 
-        def error(e: RequestError) -> JSONResponse:
-            return JSONResponse(e.body(), status_code=e.status)
+        def error(e: RequestError) -> JSONResponse:  # after a 413 the unread body is not drained: close
+            return JSONResponse(e.body(), status_code=e.status, headers={"connection": "close"} if e.status == 413 else None)
 
         @app.exception_handler(Exception)
         async def unexpected(_request, exc: Exception):  # the server keeps serving
@@ -172,12 +183,9 @@ class Gateway:
         @app.post("/v1/chat/completions")
         async def chat(request: fastapi.Request):
             try:
-                raw = await request.body()
-                try:
-                    body = json.loads(raw)
-                except (ValueError, UnicodeDecodeError) as e:
-                    raise bad(f"the request body is not valid JSON: {e}") from e
-                req = parse_request(body, self.model_name, self.generator.config)
+                body = parse_json(await read_body(request, self.max_body_bytes))
+                req = parse_request(body, self.model_name, self.defaults)
+                check_prompt_size(req, self.generator.max_context)
                 payload = await self._complete(session_name(request.headers), req, request)
             except RequestError as e:
                 return error(e)
@@ -236,7 +244,7 @@ class Gateway:
         return ids
 
     async def _choice(self, i: int, msg: Message, content, calls, prompt_ids, req: ChatRequest) -> dict:
-        finish = "tool_calls" if calls else FINISH[msg.finish_reason or "stop"]
+        finish = finish_reason(msg.finish_reason, calls)
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls

@@ -6,7 +6,8 @@ call of the session either
 
 - **merges**: its messages are the branch's messages followed by one of the replies, as the
   client was shown it (content and tool calls; arguments compared as parsed JSON, ids and
-  whitespace around the content ignored), followed by new messages, with the same tools and
+  whitespace around the content ignored; so is the `name` a named agent replays it with, which
+  the MODEL message keeps as the agent), followed by new messages, with the same tools and
   template options. The prompt is then that reply's conversation plus the new messages, so a
   sampled turn is never re-rendered: the encoder places its ids as sampled. The other replies
   become finished rollouts of their own.
@@ -22,19 +23,21 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from SimpleTorchLLMRL.chat.message import Message, Rollout
 from SimpleTorchLLMRL.gateway.openai_format import ChatRequest, to_message
 
 
 def view(turn: dict) -> tuple:
-    """What identifies a normalized message when a client sends it back."""
+    """What identifies a normalized message when a client sends it back. An assistant message's
+    `name` is left out: agent frameworks (LangGraph, langchain `name=`) add it when they replay a reply."""
     role = turn["role"]
     calls = tuple((c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
                   for c in turn.get("tool_calls") or [])
     content = (turn.get("content") or "").strip() if role == "assistant" else turn.get("content")
-    return role, content, turn.get("name"), turn.get("tool_call_id") if role == "tool" else None, calls
+    name = None if role == "assistant" else turn.get("name")
+    return role, content, name, turn.get("tool_call_id") if role == "tool" else None, calls
 
 
 def shown_view(content: str | None, tool_calls: list[dict]) -> tuple:
@@ -47,6 +50,11 @@ def shown_view(content: str | None, tool_calls: list[dict]) -> tuple:
 def options_of(req: ChatRequest) -> str:
     """The call's tools and template options, as one comparable string."""
     return json.dumps([req.tools, req.template_kwargs], sort_keys=True, default=str)
+
+
+def named(reply: Message, name: str | None) -> Message:
+    """The sampled reply as the agent `name` the client gave it when replaying it (a copy; ids kept)."""
+    return reply if name is None or name == reply.name else replace(reply, name=name)
 
 
 @dataclass
@@ -92,7 +100,8 @@ class Session:
             if len(views) > k and views[:k] == b.views and views[k] in b.shown:
                 j = b.shown.index(views[k])
                 closed = [b.rollout(i) for i in range(len(b.replies)) if i != j]
-                messages = [*b.prompt.messages, b.replies[j], *(to_message(t) for t in req.chat[k + 1:])]
+                messages = [*b.prompt.messages, named(b.replies[j], req.chat[k].get("name")),
+                            *(to_message(t) for t in req.chat[k + 1:])]
                 return Plan(Rollout(messages, metadata), views, closed, True, options)
         closed = b.rollouts() if b is not None else []
         return Plan(Rollout([to_message(t) for t in req.chat], metadata), views, closed, False, options)
