@@ -355,7 +355,8 @@ def test_record_to_writes_every_rollout_once(calc, env, tmp_path):
     path = tmp_path / "gateway.jsonl"
     gw = Gateway(make_generator(calc, env), record_to=path)
     with gw.serve() as url:
-        client = openai.OpenAI(base_url=url, api_key="rec-1")
+        # one named session: an edited history forks it (under a bare API key it would be another episode)
+        client = openai.OpenAI(base_url=url, api_key="rec-1", default_headers={"X-Session-Id": "rec-1"})
         messages = start()
         agent(client, env, messages, turns=1, temperature=0)
         edited = [dict(m) for m in messages[:2]]

@@ -2,8 +2,9 @@
 
     uv run python -m SimpleTorchLLMRL.gateway --model DIR --port 8000 --record-to rollouts.jsonl
 
-Clients: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=SESSION)`. Rollouts are written
-to --record-to as they become final, and every session's when the server stops (Ctrl-C).
+Clients: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=KEY)`. Rollouts are written
+to --record-to as they become final, a session's when it is idle past --session-ttl or is the
+least recently used past --max-sessions, and every session's when the server stops (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -11,6 +12,27 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -29,6 +51,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="stop strings that end a turn at a finished tool call")
     ap.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                     help="larger request bodies are refused with 413 before they are read")
+    ap.add_argument("--window", type=_non_negative, default=0.02,
+                    help="seconds the first request of a batch waits for others to join it")
+    ap.add_argument("--max-batch", type=_positive_int, default=64, help="at most this many requests per batch")
+    ap.add_argument("--session-ttl", type=_non_negative, default=600.0,
+                    help="a session idle this many seconds is finished: its rollouts are written to --record-to "
+                         "and it is forgotten (0: never)")
+    ap.add_argument("--max-sessions", type=_non_negative_int, default=10000,
+                    help="past this many open sessions the least recently used one is finished the same way "
+                         "(0: no limit)")
     return ap.parse_args(argv)
 
 
@@ -49,7 +80,8 @@ def main(argv=None) -> None:
         generator = ModelGenerate(model, tokenizer, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                                   tool_call_stop=a.tool_call_stop or None)
     gateway = Gateway(generator, model_name=a.served_model_name, record_to=a.record_to,
-                      max_body_bytes=a.max_body_bytes)
+                      max_body_bytes=a.max_body_bytes, window=a.window, max_batch=a.max_batch,
+                      session_ttl=a.session_ttl or None, max_sessions=a.max_sessions or None)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with gateway.serve(a.host, a.port) as url:

@@ -20,13 +20,15 @@ from SimpleTorchLLMRL.model.sampling import SamplingConfig
 
 @dataclass
 class Job:
-    rollout: Rollout
+    rollout: Rollout | None
     sampling: SamplingConfig
     n: int
     seed: int | None
+    prompt_ids: list[int] | None = None  # an encoded prompt (/v1/completions): generated from these ids as they are
 
     def key(self) -> str:
-        return json.dumps([dataclasses.asdict(self.sampling), self.n, self.seed], sort_keys=True, default=str)
+        return json.dumps([dataclasses.asdict(self.sampling), self.n, self.seed, self.prompt_ids is not None],
+                          sort_keys=True, default=str)
 
 
 class Batcher:
@@ -87,18 +89,21 @@ class Batcher:
         for i, job in enumerate(jobs):
             groups.setdefault(job.key(), []).append(i)
         for rows in groups.values():
-            first = jobs[rows[0]]
             try:
-                msgs = self.generator.generate([jobs[i].rollout for i in rows], first.n, sampling=first.sampling,
-                                               seed=first.seed)
-                for i, m in zip(rows, msgs, strict=True):
+                for i, m in zip(rows, self._call([jobs[i] for i in rows]), strict=True):
                     out[i] = m
             except Exception:  # noqa: BLE001  (retried one by one: only the bad request fails)
                 for i in rows:
-                    job = jobs[i]
                     try:
-                        out[i] = self.generator.generate([job.rollout], job.n, sampling=job.sampling,
-                                                         seed=job.seed)[0]
+                        out[i] = self._call([jobs[i]])[0]
                     except Exception as e:  # noqa: BLE001  (returned to that request's handler)
                         out[i] = e
         return out
+
+    def _call(self, jobs: list[Job]) -> list[list]:
+        """One generate call for jobs of the same key: rollouts through the chat template, or encoded ids."""
+        first = jobs[0]
+        if first.prompt_ids is not None:
+            return self.generator.generate_from_ids([j.prompt_ids for j in jobs], first.n, sampling=first.sampling,
+                                                    seed=first.seed)
+        return self.generator.generate([j.rollout for j in jobs], first.n, sampling=first.sampling, seed=first.seed)

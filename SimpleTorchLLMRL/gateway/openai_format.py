@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+from SimpleTorchLLMRL.gateway.fields import FieldError, check_fields, tool_choice_of
 from SimpleTorchLLMRL.model.sampling import SamplingConfig
 from SimpleTorchLLMRL.tools.parsers import JsonToolCallParser, parse_tool_calls
 
@@ -45,7 +46,8 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> Requ
 
 @dataclass
 class ChatRequest:
-    """One validated request. `chat`: the messages as normalized dicts (see `normalize_message`)."""
+    """One validated request. `chat`: the messages as normalized dicts (see `normalize_message`).
+    `tools`: the tools offered to the template and parsed from the reply (None under tool_choice "none")."""
 
     chat: list[dict]
     tools: list[dict] | None
@@ -58,6 +60,7 @@ class ChatRequest:
     top_logprobs: int = 0
     return_token_ids: bool = False
     template_kwargs: dict = field(default_factory=dict)
+    tool_choice: str = "auto"  # "auto" or "none" (gateway.fields)
 
 
 # ----------------------------------------------------------------------------- requests
@@ -149,7 +152,9 @@ def _tools(body: dict) -> list[dict] | None:
 
 
 def parse_request(body: Any, model_name: str, defaults: SamplingConfig) -> ChatRequest:
-    """Validate a /v1/chat/completions body. Options the request leaves out keep the generator's."""
+    """Validate a /v1/chat/completions body. Options the request leaves out keep the generator's; a field
+    the gateway does not honour is refused with a 400 naming it unless it asks for nothing (`gateway.fields`).
+    tool_choice "none": the tools are neither offered to the template nor parsed from the reply."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     model = body.get("model")
@@ -160,6 +165,12 @@ def parse_request(body: Any, model_name: str, defaults: SamplingConfig) -> ChatR
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' is required: a non-empty list of messages", "messages")
     chat = [normalize_message(m, i) for i, m in enumerate(messages)]
+    tools = _tools(body)
+    try:  # every other field is honoured below, accepted as metadata, or refused here (gateway.fields)
+        check_fields(body)
+        tool_choice = tool_choice_of(body, tools)
+    except FieldError as e:
+        raise bad(e.message, e.param, e.code) from e
     max_tokens = _int(body, "max_completion_tokens", 1, None, None)
     max_tokens = _int(body, "max_tokens", 1, None, max_tokens if max_tokens is not None else defaults.max_new_tokens)
     stop = body.get("stop")
@@ -177,14 +188,19 @@ def parse_request(body: Any, model_name: str, defaults: SamplingConfig) -> ChatR
     if top and not body.get("logprobs"):
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict) or not set(stream_options) <= {"include_usage", "include_obfuscation"}:
+        raise bad("'stream_options' must be an object of include_usage and include_obfuscation (chunks are never "
+                  f"padded here, so the latter has no effect); got {stream_options!r}", "stream_options")
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    return ChatRequest(chat=chat, tools=_tools(body), sampling=sampling, n=_int(body, "n", 1, MAX_N, 1),
+    return ChatRequest(chat=chat, tools=None if tool_choice == "none" else tools, sampling=sampling,
+                       n=_int(body, "n", 1, MAX_N, 1),
                        seed=_int(body, "seed", 0, MAX_SEED, None), stream=bool(body.get("stream")),
-                       include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
+                       include_usage=bool(stream_options.get("include_usage")),
                        logprobs=bool(body.get("logprobs")), top_logprobs=top,
-                       return_token_ids=bool(body.get("return_token_ids")), template_kwargs=kwargs)
+                       return_token_ids=bool(body.get("return_token_ids")), template_kwargs=kwargs,
+                       tool_choice=tool_choice)
 
 
 def to_message(turn: dict) -> Message:
@@ -283,3 +299,17 @@ def stream_payloads(full: dict, include_usage: bool) -> list[dict]:
     if include_usage:
         chunks.append({**base, "choices": [], "usage": full["usage"]})
     return chunks
+
+
+def top_logprobs(generator, prompt_ids: list[int], msg: Message, k: int) -> list[list[tuple[int, float]]]:
+    """The k most likely ids and their log-probs at each sampled position, under the same temperature
+    as the recorded log-probs: one forward of the HF model over prompt + reply."""
+    import torch
+
+    model = generator.backend.model
+    ids = torch.tensor([list(prompt_ids) + list(msg.token_ids)], device=next(model.parameters()).device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1: -1].float()  # (N, V)
+    logp = torch.log_softmax(logits / (msg.temperature or 1.0), dim=-1)
+    values, index = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    return [list(zip(r.tolist(), v.tolist(), strict=True)) for r, v in zip(index, values, strict=True)]

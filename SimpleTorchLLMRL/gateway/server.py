@@ -6,7 +6,8 @@
         ...                                                  # any agent written against the OpenAI API
     rollouts = gw.rollouts("episode-17")                     # list[Rollout], ready for GRPO
 
-Routes: POST /v1/chat/completions, GET /v1/models, GET /health. A session is named by the
+Routes: POST /v1/chat/completions, GET /v1/models, GET /health; POST /v1/completions, GET /v1/models/{id}
+and OpenAI-shaped errors for everything else: `gateway.routes`. A session is named by the
 `X-Session-Id` header, else by the API key (`Authorization: Bearer ...`). How calls of a
 session become rollouts: `gateway.sessions`. Wire format: `gateway.openai_format`.
 """
@@ -36,7 +37,10 @@ from SimpleTorchLLMRL.gateway.openai_format import (
     parse_request,
     reply_view,
     stream_payloads,
+    top_logprobs,
 )
+from SimpleTorchLLMRL.gateway.routes import http_protocol
+from SimpleTorchLLMRL.gateway.routes import install as install_routes
 from SimpleTorchLLMRL.gateway.sessions import SessionStore, shown_view
 
 ANONYMOUS = "default"
@@ -72,12 +76,16 @@ class Gateway:
     arriving within `window` seconds are generated as one batch of at most `max_batch`.
     tool_parsers: how tool calls are read from sampled text (default: Hermes / Qwen `<tool_call>`
     JSON, `tools.parsers.JsonToolCallParser`). max_body_bytes: larger request bodies get 413, refused
-    before they are read (`gateway.limits`).
+    before they are read (`gateway.limits`). session_ttl: seconds a session may stay idle before it is
+    finished (its open rollouts written to `record_to`, then forgotten); max_sessions: past this many
+    open sessions the least recently used one is finished the same way (None: no limit; see
+    `gateway.sessions`). clock: the time source of the TTL (tests pass a fake one).
     """
 
     def __init__(self, generator, *, model_name: str = "policy", record_to=None, window: float = 0.02,
                  max_batch: int = 64, tool_parsers: Sequence | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, session_ttl: float | None = None,
+                 max_sessions: int | None = None, clock=time.monotonic):
         if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be a positive number of bytes, got {max_body_bytes!r}")
         self.generator, self.model_name = generator, model_name
@@ -86,7 +94,7 @@ class Gateway:
         self.defaults = dataclasses.replace(generator.config)
         self.max_body_bytes = max_body_bytes
         self.tool_parsers = tool_parsers
-        self.store = SessionStore()
+        self.store = SessionStore(ttl=session_ttl, max_sessions=max_sessions, on_finish=self._write, clock=clock)
         self.batcher = Batcher(generator, window, max_batch)
         self._writer = None
         if record_to is not None:
@@ -107,12 +115,10 @@ class Gateway:
 
     def clear(self, session: str) -> list[Rollout]:
         """Forget the session; returns its rollouts (the ones not yet final are written to `record_to` now)."""
-        s = self.store.pop(session)
+        popped = self.store.pop(session)
         self._locks.pop(session, None)
-        if s is None:
-            return []
-        self._write(s.open_rollouts())
-        return s.rollouts()
+        self._write([r for s in popped for r in s.open_rollouts()])
+        return [r for s in popped for r in s.rollouts()]
 
     def close(self) -> None:
         """Write the rollouts not yet final of every session to `record_to` and close the file."""
@@ -133,7 +139,7 @@ class Gateway:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(self.app(), log_level="warning", lifespan="on"))
+        server = uvicorn.Server(uvicorn.Config(self.app(), log_level="warning", lifespan="on", http=http_protocol()))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="gateway")
         thread.start()
         deadline = time.monotonic() + 30
@@ -159,7 +165,9 @@ class Gateway:
         @contextlib.asynccontextmanager
         async def lifespan(_app):
             self.batcher.start()
+            sweeper = asyncio.get_running_loop().create_task(self._sweep())  # finishes idle sessions
             yield
+            sweeper.cancel()
             await self.batcher.stop()
 
         app = fastapi.FastAPI(lifespan=lifespan)
@@ -170,6 +178,8 @@ class Gateway:
         @app.exception_handler(Exception)
         async def unexpected(_request, exc: Exception):  # the server keeps serving
             return error(RequestError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+
+        install_routes(self, app, error)  # /v1/models/{id}, /v1/completions, 404 / 405 / 400 in OpenAI's shape
 
         @app.get("/health")
         async def health():
@@ -207,25 +217,39 @@ class Gateway:
     # ------------------------------------------------------------------ one call
 
     async def _complete(self, name: str, req: ChatRequest, request) -> dict | None:
-        lock = self._locks.setdefault(name, asyncio.Lock())
-        async with lock:  # a session's calls run in order: each one merges onto the previous
-            session = self.store.get(name)
-            plan = session.plan(req)
-            prompt_ids = await asyncio.to_thread(self._prompt_ids, plan.prompt, req)
+        # an X-Session-Id session's calls run in order (each merges onto the previous, or forks);
+        # calls named by an API key only are matched to that key's open sessions by prefix, in parallel
+        explicit = bool(request.headers.get("x-session-id"))
+        lock = self._locks.setdefault(name, asyncio.Lock()) if explicit else contextlib.nullcontext()
+        async with lock:
+            self.store.expire()
+            session, plan = self.store.open(name, req, explicit=explicit)
             try:
-                replies = await self.batcher.submit(Job(plan.prompt, req.sampling, req.n, req.seed))
-            except ValueError as e:
-                raise bad(str(e)) from e
-            if await request.is_disconnected():
-                return None
-            choices, shown = [], []
-            for i, msg in enumerate(replies):
-                content, calls = reply_view(msg.content, req.tools, self.tool_parsers)
-                shown.append(shown_view(content, calls))
-                choices.append(await self._choice(i, msg, content, calls, prompt_ids, req))
-            self.store.record(session, plan, replies, shown)
+                prompt_ids = await asyncio.to_thread(self._prompt_ids, plan.prompt, req)
+                try:
+                    replies = await self.batcher.submit(Job(plan.prompt, req.sampling, req.n, req.seed))
+                except ValueError as e:
+                    raise bad(str(e)) from e
+                if await request.is_disconnected():
+                    return None
+                choices, shown = [], []
+                for i, msg in enumerate(replies):
+                    content, calls = reply_view(msg.content, req.tools, self.tool_parsers)
+                    shown.append(shown_view(content, calls))
+                    choices.append(await self._choice(i, msg, content, calls, prompt_ids, req))
+                self.store.record(session, plan, replies, shown)
+            finally:
+                self.store.release(session)
             self._write(plan.closed)
             return completion_payload(new_id(), self.model_name, choices, prompt_ids, req.return_token_ids)
+
+    async def _sweep(self) -> None:
+        """Finish the sessions idle past the TTL while no calls come (calls also expire them)."""
+        if self.store.ttl is None:
+            return
+        while True:
+            await asyncio.sleep(min(max(self.store.ttl / 4, 0.01), 5.0))
+            self.store.expire()
 
     def _prompt_ids(self, prompt: Rollout, req: ChatRequest) -> list[int]:
         """The ids the model will be conditioned on (as-sampled encoder); 400 when they do not fit."""
@@ -256,17 +280,3 @@ class Gateway:
                 top = await asyncio.to_thread(top_logprobs, self.generator, prompt_ids, msg, req.top_logprobs)
             out["logprobs"] = logprobs_payload(self.generator.tokenizer, msg.token_ids, msg.logprobs, top)
         return out
-
-
-def top_logprobs(generator, prompt_ids: list[int], msg: Message, k: int) -> list[list[tuple[int, float]]]:
-    """The k most likely ids and their log-probs at each sampled position, under the same temperature
-    as the recorded log-probs: one forward of the HF model over prompt + reply."""
-    import torch
-
-    model = generator.backend.model
-    ids = torch.tensor([list(prompt_ids) + list(msg.token_ids)], device=next(model.parameters()).device)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1: -1].float()  # (N, V)
-    logp = torch.log_softmax(logits / (msg.temperature or 1.0), dim=-1)
-    values, index = logp.topk(min(k, logp.shape[-1]), dim=-1)
-    return [list(zip(r.tolist(), v.tolist(), strict=True)) for r, v in zip(index, values, strict=True)]

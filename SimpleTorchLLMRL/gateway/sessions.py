@@ -17,12 +17,27 @@ call of the session either
   another prompt.
 
 An assistant message the client wrote itself is always context (trainable=False).
+
+Which session a call belongs to (`SessionStore.open`): a call with an `X-Session-Id` goes to
+that one named session, and runs the rules above (merge or fork). A call without one (named
+by its API key) is matched by conversation prefix among the open sessions of that key: it
+joins the one whose branch it extends (merges), whichever that is; a call that extends none
+starts a new session of the key and closes nothing. So concurrent episodes under one API key
+are one session each.
+
+A session idle (no call in flight) for longer than `ttl` seconds is *finished*: its open
+rollouts go to `on_finish` (the gateway's `record_to`) and it is dropped from memory. Past
+`max_sessions` open sessions, the least recently used ones are finished the same way.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from SimpleTorchLLMRL.chat.message import Message, Rollout
@@ -89,6 +104,10 @@ class Session:
     finished: list[Rollout] = field(default_factory=list)
     branch: Branch | None = None
     calls: int = 0
+    id: int = 0  # the store's number for it (creation order)
+    explicit: bool = False  # named by X-Session-Id (forks), else by API key (matched by prefix)
+    busy: int = 0  # calls in flight: a busy session is never finished
+    last_used: float = 0.0
 
     def plan(self, req: ChatRequest) -> Plan:
         """Merge onto the branch when the request extends it by one of its replies; fork otherwise."""
@@ -119,40 +138,190 @@ class Session:
         return [*self.finished, *self.open_rollouts()]
 
 
+def _branch_keys(s: Session) -> list[tuple]:
+    """The index keys of a session's branch: one per reply the client may continue."""
+    b = s.branch
+    if b is None:
+        return []
+    prefix = tuple(b.views)
+    return [(s.name, b.options, prefix, shown) for shown in set(b.shown)]
+
+
 class SessionStore:
-    """Sessions by name, safe to use from the server's threads and the caller's."""
+    """Sessions, safe to use from the server's threads and the caller's.
 
-    def __init__(self):
-        self._sessions: dict[str, Session] = {}
+    ttl: seconds a session may stay idle before it is finished (None: never). max_sessions: open
+    sessions past this many finish the least recently used idle ones (None: no cap). on_finish:
+    called with the open rollouts of each session finished so (by `expire`, the cap, or never
+    when both are None). clock: the time source (tests pass a fake one).
+    """
+
+    def __init__(self, *, ttl: float | None = None, max_sessions: int | None = None,
+                 on_finish: Callable[[list[Rollout]], None] | None = None, clock: Callable[[], float] = time.monotonic):
+        if ttl is not None and not ttl > 0:
+            raise ValueError(f"ttl must be a positive number of seconds or None, got {ttl!r}")
+        if max_sessions is not None and (isinstance(max_sessions, bool) or not isinstance(max_sessions, int)
+                                         or max_sessions < 1):
+            raise ValueError(f"max_sessions must be a positive int or None, got {max_sessions!r}")
+        self.ttl, self.max_sessions, self.on_finish, self.clock = ttl, max_sessions, on_finish, clock
+        self._sessions: OrderedDict[int, Session] = OrderedDict()  # least recently used first
+        self._named: dict[str, int] = {}  # X-Session-Id -> its session
+        self._index: dict[tuple, list[int]] = {}  # (name, options, prefix views, reply view) -> sessions
+        self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self.finished_sessions = 0  # how many were finished by the TTL or the cap (for tests and logs)
 
-    def get(self, name: str) -> Session:
+    # -------------------------------------------------------------- one call
+
+    def open(self, name: str, req: ChatRequest, *, explicit: bool = True) -> tuple[Session, Plan]:
+        """The session the call belongs to (marked busy until `release`) and its plan.
+
+        explicit: the name is an X-Session-Id: one session, merge or fork. Otherwise the call joins
+        the idle session of `name` whose branch it extends, or starts a new one."""
         with self._lock:
-            return self._sessions.setdefault(name, Session(name))
+            s = None
+            if explicit:
+                sid = self._named.get(name)
+                s = self._sessions.get(sid) if sid is not None else None
+            else:
+                s = self._match(name, req)
+            if s is None:
+                s = Session(name, id=next(self._ids), explicit=explicit)
+                self._sessions[s.id] = s
+                if explicit:
+                    self._named[name] = s.id
+            s.busy += 1
+            self._touch(s)
+            plan = s.plan(req)
+            evicted = self._evict()
+        self._finish(evicted)
+        return s, plan
+
+    def _match(self, name: str, req: ChatRequest) -> Session | None:
+        """The idle session of `name` whose branch the request extends by one of its replies (longest first)."""
+        views, options = [view(t) for t in req.chat], options_of(req)
+        for k in range(len(views) - 1, -1, -1):
+            if views[k][0] != "assistant":
+                continue
+            for sid in self._index.get((name, options, tuple(views[:k]), views[k]), ()):
+                s = self._sessions.get(sid)
+                if s is not None and not s.busy:
+                    return s
+        return None
 
     def record(self, session: Session, plan: Plan, replies: list[Message], shown: list[tuple]) -> None:
         """`session.record` under the store's lock, so a reader never sees half a call."""
         with self._lock:
+            self._unindex(session)
             session.record(plan, replies, shown)
+            if session.id not in self._sessions:  # cleared or closed while the call ran
+                return
+            self._touch(session)
+            if not session.explicit:
+                for key in _branch_keys(session):
+                    self._index.setdefault(key, []).append(session.id)
+
+    def release(self, session: Session) -> None:
+        """The call is over (answered or not). A session that never recorded a call is dropped."""
+        with self._lock:
+            session.busy -= 1
+            if session.id not in self._sessions:  # finished meanwhile (clear, close)
+                return
+            self._touch(session)
+            if not session.busy and not session.calls:
+                self._drop(session)
+
+    # -------------------------------------------------------------- finishing
+
+    def expire(self) -> int:
+        """Finish the sessions idle past the TTL; returns how many."""
+        if self.ttl is None:
+            return 0
+        with self._lock:
+            now, out = self.clock(), []
+            for s in list(self._sessions.values()):  # least recently used first
+                if now - s.last_used <= self.ttl:
+                    break
+                if not s.busy:
+                    out.append(self._drop(s))
+        self._finish(out)
+        return len(out)
+
+    def _evict(self) -> list[Session]:
+        """Past the cap, drop the least recently used idle sessions (under the lock; finished by the caller)."""
+        out = []
+        if self.max_sessions is None:
+            return out
+        over = len(self._sessions) - self.max_sessions
+        for s in list(self._sessions.values()):
+            if over <= 0:
+                break
+            if not s.busy:
+                out.append(self._drop(s))
+                over -= 1
+        return out
+
+    def _finish(self, sessions: list[Session]) -> None:
+        rollouts = [r for s in sessions for r in s.open_rollouts()]
+        self.finished_sessions += len(sessions)
+        if rollouts and self.on_finish is not None:
+            self.on_finish(rollouts)
+
+    def _touch(self, s: Session) -> None:
+        s.last_used = self.clock()
+        self._sessions.move_to_end(s.id)
+
+    def _unindex(self, s: Session) -> None:
+        for key in _branch_keys(s):
+            ids = self._index.get(key)
+            if ids is not None and s.id in ids:
+                ids.remove(s.id)
+                if not ids:
+                    del self._index[key]
+
+    def _drop(self, s: Session) -> Session:
+        self._unindex(s)
+        self._sessions.pop(s.id, None)
+        if self._named.get(s.name) == s.id:
+            del self._named[s.name]
+        return s
+
+    # -------------------------------------------------------------- reading
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    def _of(self, name: str) -> list[Session]:
+        return sorted((s for s in self._sessions.values() if s.name == name and s.calls), key=lambda s: s.id)
 
     def names(self) -> list[str]:
+        """Names (X-Session-Id or API key) with at least one recorded call, in order of their first session."""
         with self._lock:
-            return [n for n, s in self._sessions.items() if s.calls]
+            live = sorted((s for s in self._sessions.values() if s.calls), key=lambda s: s.id)
+            return list(dict.fromkeys(s.name for s in live))
 
     def rollouts(self, name: str) -> list[Rollout]:
+        """Every rollout of every open session of `name`, oldest session first."""
         with self._lock:
-            s = self._sessions.get(name)
-            if s is None or not s.calls:
-                raise KeyError(f"no session {name!r}; sessions: {[n for n, x in self._sessions.items() if x.calls]}")
-            return [r.copy() for r in s.rollouts()]
+            sessions = self._of(name)
+            if not sessions:
+                raise KeyError(f"no session {name!r}; sessions: "
+                               f"{list(dict.fromkeys(s.name for s in self._sessions.values() if s.calls))}")
+            return [r.copy() for s in sessions for r in s.rollouts()]
 
-    def pop(self, name: str) -> Session | None:
+    def pop(self, name: str) -> list[Session]:
+        """Forget every session of `name`; returns them (oldest first)."""
         with self._lock:
-            return self._sessions.pop(name, None)
+            out = sorted((s for s in self._sessions.values() if s.name == name), key=lambda s: s.id)
+            for s in out:
+                self._drop(s)
+            return out
 
     def pop_all(self) -> list[Session]:
         with self._lock:
             out = list(self._sessions.values())
             self._sessions.clear()
+            self._named.clear()
+            self._index.clear()
             return out
-

@@ -212,6 +212,19 @@ class ModelGenerate:
             raise ValueError(f"n must be a positive int, got {n!r}")
         return self._generate(rollouts, n, adapter, seed, self._call_config(sampling))
 
+    def generate_from_ids(self, prompts: Sequence[Sequence[int]], n: int = 1, *,
+                          sampling: SamplingConfig | None = None, seed: int | None = None) -> list[list[Message]]:
+        """`generate` for prompts already encoded (e.g. raw text tokenized without a chat template, as
+        the gateway's /v1/completions does): `n` MODEL messages per prompt, sampled from exactly these ids."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be a positive int, got {n!r}")
+        prompts = [[int(t) for t in p] for p in prompts]
+        if not prompts:
+            return []
+        call = self._call_config(sampling)
+        self._check_prompts(prompts, call.max_new_tokens)
+        return self._sample(prompts, n, None, [None] * len(prompts), seed, call)
+
     def _call_config(self, sampling: SamplingConfig | None) -> SamplingConfig:
         """This call's settings: the defaults, or `sampling` with the defaults' EOS ids where it has none
         (refused early when the backend cannot record its log-probs, e.g. vLLM's log-probs mode)."""

@@ -1,0 +1,234 @@
+"""POST /v1/completions: OpenAI's legacy text completions over the gateway's generator.
+
+A prompt is raw text (or token ids), tokenized as it is, with no chat template, and continued by the
+same batched generator as chat requests (`Batcher`, `ModelGenerate.generate_from_ids`). These calls are
+not recorded as rollouts: a rollout is a conversation, and a raw prompt has none.
+
+    parse_completion(body, model_name, defaults, tokenizer) -> CompletionRequest   (RequestError -> 4xx)
+    text_completion(...) -> the "text_completion" object; stream_chunks(...) -> its stream
+"""
+
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from SimpleTorchLLMRL.gateway.batcher import Job
+from SimpleTorchLLMRL.gateway.limits import CHARS_PER_TOKEN, parse_json, read_body
+from SimpleTorchLLMRL.gateway.openai_format import FINISH, MAX_N, MAX_SEED, RequestError, bad, top_logprobs
+from SimpleTorchLLMRL.model.sampling import SamplingConfig
+
+MAX_PROMPTS = 64
+MAX_LOGPROBS = 5  # OpenAI's legacy limit on `logprobs`
+# fields of the legacy API this gateway does not honour: refused with a 400 naming them when set to
+# anything but their no-op value
+REFUSED = {"suffix": (None, ""), "echo": (None, False), "logit_bias": (None, {}),
+           "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0)}
+
+
+@dataclass
+class CompletionRequest:
+    prompts: list[str | list[int]]   # text, or token ids as the client sent them
+    sampling: SamplingConfig
+    n: int = 1
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None
+    return_token_ids: bool = False
+
+
+def _number(body: dict, key: str, lo: float, hi: float, default):
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise bad(f"'{key}' must be a number in [{lo}, {hi}], got {value!r}", key)
+    return value
+
+
+def _int(body: dict, key: str, lo: int, hi: int | None, default):
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        raise bad(f"'{key}' must be an integer >= {lo}{'' if hi is None else f' and <= {hi}'}, got {value!r}", key)
+    return value
+
+
+def _is_ids(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _prompts(body: dict) -> list[str | list[int]]:
+    """`prompt`: a string, a list of strings, a list of token ids, or a list of such lists."""
+    p = body.get("prompt")
+    if isinstance(p, str):
+        prompts = [p]
+    elif _is_ids(p):
+        prompts = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, str) or _is_ids(x) for x in p):
+        prompts = list(p)
+    else:
+        raise bad("'prompt' is required: a string, a list of strings, a list of token ids or a list of such lists",
+                  "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise bad(f"'prompt' holds {len(prompts)} prompts; at most {MAX_PROMPTS} per request", "prompt")
+    if any(x == "" for x in prompts):
+        raise bad("'prompt' has an empty string: give text to continue", "prompt")
+    return prompts
+
+
+def parse_completion(body, model_name: str, defaults: SamplingConfig) -> CompletionRequest:
+    """Validate a /v1/completions body. Options it leaves out keep the generator's (tool-call stops do not
+    apply: a text completion has no tools)."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise RequestError(404, f"The model '{model}' does not exist; this gateway serves '{model_name}'",
+                           code="model_not_found", param="model")
+    for key, allowed in REFUSED.items():
+        if key in body and body[key] not in allowed:
+            raise bad(f"'{key}' is not supported by this gateway's /v1/completions; leave it out", key)
+    prompts = _prompts(body)
+    n = _int(body, "n", 1, MAX_N, 1)
+    best_of = _int(body, "best_of", 1, MAX_N, None)
+    if best_of is not None and best_of != n:
+        raise bad(f"'best_of' other than n is not supported (got best_of={best_of}, n={n}); leave it out",
+                  "best_of")
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and len(stop) <= 4
+                                                           and all(isinstance(s, str) for s in stop))):
+        raise bad("'stop' must be a string or a list of at most 4 strings", "stop")
+    try:
+        sampling = SamplingConfig(
+            max_new_tokens=_int(body, "max_tokens", 1, None, defaults.max_new_tokens),
+            temperature=_number(body, "temperature", 0, 2, defaults.temperature), do_sample=defaults.do_sample,
+            top_p=_number(body, "top_p", 0, 1, defaults.top_p) or None, top_k=defaults.top_k,
+            stop=tuple(defaults.stop) + tuple([stop] if isinstance(stop, str) else stop or []),
+            eos_token_ids=defaults.eos_token_ids)
+    except ValueError as e:
+        raise bad(str(e)) from e
+    options = body.get("stream_options") or {}
+    return CompletionRequest(prompts=prompts, sampling=sampling, n=n, seed=_int(body, "seed", 0, MAX_SEED, None),
+                             stream=bool(body.get("stream")),
+                             include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
+                             logprobs=_int(body, "logprobs", 0, MAX_LOGPROBS, None),
+                             return_token_ids=bool(body.get("return_token_ids")))
+
+
+def encode(prompts: list[str | list[int]], tokenizer, max_context: int | None, max_new_tokens: int) -> list[list[int]]:
+    """Each prompt's ids (text tokenized as it is, special tokens as the tokenizer adds them, no chat
+    template); 400 (context_length_exceeded) when one cannot fit, checked by its length before tokenizing."""
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if max_context is not None and len(p) > max_context * CHARS_PER_TOKEN:
+                raise bad(f"prompt {i} is {len(p)} characters, more than this model's context of {max_context} "
+                          f"tokens could hold: shorten it", "prompt", "context_length_exceeded")
+            p = tokenizer(p)["input_ids"]
+        elif any(t < 0 or t >= len(tokenizer) for t in p):
+            raise bad(f"prompt {i} has token ids outside this model's vocabulary [0, {len(tokenizer)})", "prompt")
+        if not p:
+            raise bad(f"prompt {i} encodes to no tokens", "prompt")
+        if max_context is not None and len(p) + max_new_tokens > max_context:
+            raise bad(f"this model's context is {max_context} tokens; prompt {i} is {len(p)} tokens and max_tokens "
+                      f"is {max_new_tokens}: shorten the prompt or lower max_tokens", "prompt",
+                      "context_length_exceeded")
+        out.append(list(p))
+    return out
+
+
+def without_stop(text: str, stops) -> str:
+    """The text up to the first stop string (OpenAI leaves it out; the recorded ids keep it, as sampled)."""
+    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+def legacy_logprobs(tokenizer, msg, top: list | None) -> dict:
+    """OpenAI's legacy `choice.logprobs`: tokens, token_logprobs, top_logprobs (token -> log-prob), text_offset."""
+    tokens = [tokenizer.decode([t]) for t in msg.token_ids]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    tops = [{tokenizer.decode([t]): v for t, v in row} for row in top] if top is not None else None
+    return {"tokens": tokens, "token_logprobs": list(msg.logprobs), "top_logprobs": tops, "text_offset": offsets}
+
+
+def text_completion(model: str, choices: list[dict], prompt_ids: list[list[int]], return_token_ids: bool) -> dict:
+    completion = sum(len(c["token_ids"]) for c in choices)
+    prompt = sum(len(p) for p in prompt_ids)
+    out = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+           "model": model,
+           "choices": [{k: v for k, v in c.items() if k != "token_ids" or return_token_ids} for c in choices],
+           "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+    if return_token_ids:
+        out["prompt_token_ids"] = prompt_ids
+    return out
+
+
+def stream_chunks(full: dict, include_usage: bool) -> list[dict]:
+    """The completion as a stream: one chunk per choice (its text and finish_reason), then usage when asked."""
+    base = {k: full[k] for k in ("id", "object", "created", "model")}
+    chunks = [{**base, "choices": [c]} for c in full["choices"]]
+    if include_usage:
+        chunks.append({**base, "choices": [], "usage": full["usage"]})
+    return chunks
+
+
+def completions_route(gateway, error):
+    """The FastAPI endpoint of POST /v1/completions over `gateway` (a `Gateway`)."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    generator = gateway.generator
+
+    async def completions(request: Request):
+        try:
+            body = parse_json(await read_body(request, gateway.max_body_bytes))
+            req = parse_completion(body, gateway.model_name, gateway.defaults)
+            if req.logprobs and not hasattr(generator.backend, "model"):
+                raise bad("logprobs > 0 needs the HF backend (this gateway runs vLLM); use logprobs: 0", "logprobs")
+            prompt_ids = await asyncio.to_thread(encode, req.prompts, generator.tokenizer, generator.max_context,
+                                                 req.sampling.max_new_tokens)
+            results = await asyncio.gather(*[gateway.batcher.submit(Job(None, req.sampling, req.n, req.seed, ids))
+                                             for ids in prompt_ids], return_exceptions=True)
+            for r in results:
+                if isinstance(r, ValueError):
+                    raise bad(str(r)) from r
+                if isinstance(r, BaseException):
+                    raise r
+            if await request.is_disconnected():
+                return JSONResponse({}, status_code=499)
+            choices = []
+            for ids, replies in zip(prompt_ids, results, strict=True):
+                for msg in replies:
+                    logprobs = None
+                    if req.logprobs is not None:
+                        top = None
+                        if req.logprobs:
+                            top = await asyncio.to_thread(top_logprobs, generator, ids, msg, req.logprobs)
+                        logprobs = legacy_logprobs(generator.tokenizer, msg, top)
+                    text = without_stop(msg.content, req.sampling.stop) if msg.finish_reason == "stop" else msg.content
+                    choices.append({"index": len(choices), "text": text, "logprobs": logprobs,
+                                    "finish_reason": FINISH.get(msg.finish_reason or "stop", "stop"),
+                                    "token_ids": list(msg.token_ids)})
+        except RequestError as e:
+            return error(e)
+        payload = text_completion(gateway.model_name, choices, prompt_ids, req.return_token_ids)
+        if not req.stream:
+            return JSONResponse(payload)
+        chunks = stream_chunks(payload, req.include_usage)
+
+        async def events():
+            for c in chunks:
+                yield f"data: {json.dumps(c)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return completions
