@@ -12,34 +12,27 @@ import torch
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
 from SimpleTorchLLMRL import GRPO, ModelGenerate, collect_rollouts  # noqa: E402
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout  # noqa: E402
 from SimpleTorchLLMRL.chat.rollout_io import load_rollouts  # noqa: E402
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout  # noqa: E402
-from SimpleTorchLLMRL.env import ToolUseEnv  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
 from SimpleTorchLLMRL.gateway.openai_format import reply_view  # noqa: E402
-from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT  # noqa: E402
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC  # noqa: E402
-from SimpleTorchLLMRL.tools import calculator  # noqa: E402
 from SimpleTorchLLMRL.tools.parsers import ToolCall  # noqa: E402
-
-QUESTION = "What is 645 * 49?"
+from tests.gateway_helpers import calc_env, load_calc, start  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def calc():
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(TINY_CALC).eval()
-    tok = AutoTokenizer.from_pretrained(TINY_CALC, padding_side="left")
-    return model, tok
+    return load_calc()
 
 
 @pytest.fixture(scope="module")
 def env():
-    return ToolUseEnv([calculator], custom_sys_prompt=SYSTEM_PROMPT, max_turns=3)
+    return calc_env()
 
 
 def make_generator(calc, env, **kw):
@@ -54,10 +47,6 @@ def served(calc, env):
     gw = Gateway(make_generator(calc, env))
     with gw.serve() as url:
         yield gw, url
-
-
-def start(question: str = QUESTION):
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
 
 
 def run_tool(env, call) -> str:

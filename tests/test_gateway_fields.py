@@ -8,38 +8,29 @@ import json
 
 import httpx
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.message import MessageType  # noqa: E402
-from SimpleTorchLLMRL.env import ToolUseEnv  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
 from SimpleTorchLLMRL.gateway.openai_format import RequestError, parse_request  # noqa: E402
 from SimpleTorchLLMRL.model.sampling import SamplingConfig  # noqa: E402
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT  # noqa: E402
-from SimpleTorchLLMRL.testing.tiny import TINY_CALC  # noqa: E402
-from SimpleTorchLLMRL.tools import calculator  # noqa: E402
 from SimpleTorchLLMRL.tools.calculator import evaluate  # noqa: E402
-
-QUESTION = "What is 645 * 49?"
+from tests.gateway_helpers import QUESTION, calc_env, load_calc, start  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def calc():
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(TINY_CALC).eval()
-    tok = AutoTokenizer.from_pretrained(TINY_CALC, padding_side="left")
-    return model, tok
+    return load_calc()
 
 
 @pytest.fixture(scope="module")
 def env():
-    return ToolUseEnv([calculator], custom_sys_prompt=SYSTEM_PROMPT, max_turns=3)
+    return calc_env()
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +40,6 @@ def served(calc, env):
                                seed=0))
     with gw.serve() as url:
         yield gw, url
-
-
-def start(question: str = QUESTION):
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
 
 
 def model_turns(gw: Gateway, key: str):

@@ -6,19 +6,17 @@ import time
 
 import httpx
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.tokenize import encode_rollout  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
 from SimpleTorchLLMRL.gateway import server as gateway_server  # noqa: E402
-from SimpleTorchLLMRL.recipes.calculator.arithmetic import CALCULATOR_SCHEMA, SYSTEM_PROMPT  # noqa: E402
-from SimpleTorchLLMRL.testing.tiny import TINY_CALC  # noqa: E402
+from SimpleTorchLLMRL.recipes.calculator.arithmetic import CALCULATOR_SCHEMA  # noqa: E402
+from tests.gateway_helpers import load_calc, start  # noqa: E402
 
 MiB = 1024 * 1024
 TOOLS = [CALCULATOR_SCHEMA]
@@ -26,9 +24,7 @@ TOOLS = [CALCULATOR_SCHEMA]
 
 @pytest.fixture(scope="module")
 def generator():
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(TINY_CALC).eval()
-    tok = AutoTokenizer.from_pretrained(TINY_CALC, padding_side="left")
+    model, tok = load_calc()
     return ModelGenerate(model, tok, max_new_tokens=40, temperature=1.0, tool_call_stop=["</tool_call>"], seed=0)
 
 
@@ -37,10 +33,6 @@ def served(generator):
     gw = Gateway(generator)
     with gw.serve() as url:
         yield gw, url
-
-
-def start(question: str = "What is 645 * 49?"):
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
 
 
 def post(url: str, body, timeout: float = 30, **kw) -> httpx.Response:

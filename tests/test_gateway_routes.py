@@ -11,11 +11,10 @@ import torch
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
-from SimpleTorchLLMRL.testing.tiny import TINY_CALC  # noqa: E402
+from tests.gateway_helpers import load_calc  # noqa: E402
 
 # raw text in the tiny model's chat format: a prompt it continues for several tokens
 PROMPT = "<|im_start|>user\nWhat is 645 * 49?<|im_end|>\n<|im_start|>assistant\n"
@@ -23,10 +22,7 @@ PROMPT = "<|im_start|>user\nWhat is 645 * 49?<|im_end|>\n<|im_start|>assistant\n
 
 @pytest.fixture(scope="module")
 def calc():
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(TINY_CALC).eval()
-    tok = AutoTokenizer.from_pretrained(TINY_CALC, padding_side="left")
-    return model, tok
+    return load_calc()
 
 
 @pytest.fixture(scope="module")

@@ -12,39 +12,30 @@ import time
 
 import httpx
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.message import MessageType, Rollout  # noqa: E402
-from SimpleTorchLLMRL.env import ToolUseEnv  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
 from SimpleTorchLLMRL.model.sampling import SamplingConfig  # noqa: E402
-from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT  # noqa: E402
-from SimpleTorchLLMRL.testing.tiny import TINY_CALC  # noqa: E402
-from SimpleTorchLLMRL.tools import calculator  # noqa: E402
 from SimpleTorchLLMRL.tools.parsers import JsonToolCallParser  # noqa: E402
+from tests.gateway_helpers import calc_env, load_calc, start  # noqa: E402
 
-QUESTION = "What is 645 * 49?"
 DEFAULTS = dict(max_new_tokens=8, temperature=0.7)  # the generator's own settings
 UNUSUAL = SamplingConfig(max_new_tokens=3, temperature=1.9, stop=("zz",))  # one call's settings
 
 
 @pytest.fixture(scope="module")
 def calc():
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(TINY_CALC).eval()
-    tok = AutoTokenizer.from_pretrained(TINY_CALC, padding_side="left")
-    return model, tok
+    return load_calc()
 
 
 @pytest.fixture(scope="module")
 def env():
-    return ToolUseEnv([calculator], custom_sys_prompt=SYSTEM_PROMPT, max_turns=3)
+    return calc_env()
 
 
 class Gate:
@@ -72,10 +63,6 @@ def gate(calc):
     g = Gate(calc[0])
     yield g
     g.remove()
-
-
-def start(question: str = QUESTION) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
 
 
 def rollout() -> Rollout:

@@ -6,36 +6,27 @@ import time
 from collections import Counter
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.message import MessageType  # noqa: E402
 from SimpleTorchLLMRL.chat.rollout_io import load_rollouts  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
-from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT  # noqa: E402
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC  # noqa: E402
+from tests.gateway_helpers import load_calc, start  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def calc():
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(TINY_CALC).eval()
-    tok = AutoTokenizer.from_pretrained(TINY_CALC, padding_side="left")
-    return model, tok
+    return load_calc()
 
 
 def make_generator(calc, **kw):
     model, tok = calc
     return ModelGenerate(model, tok, **(dict(max_new_tokens=12, temperature=1.0, seed=0) | kw))
-
-
-def start(question: str):
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
 
 
 def ask(client, messages, **kw):

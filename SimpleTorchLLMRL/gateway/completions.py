@@ -10,14 +10,24 @@ not recorded as rollouts: a rollout is a conversation, and a raw prompt has none
 
 
 import asyncio
-import json
 import time
 import uuid
 from dataclasses import dataclass
 
 from SimpleTorchLLMRL.gateway.batcher import Job
 from SimpleTorchLLMRL.gateway.limits import CHARS_PER_TOKEN, parse_json, read_body
-from SimpleTorchLLMRL.gateway.openai_format import FINISH, MAX_N, MAX_SEED, RequestError, bad, top_logprobs
+from SimpleTorchLLMRL.gateway.openai_format import (
+    FINISH,
+    MAX_N,
+    MAX_SEED,
+    RequestError,
+    bad,
+    check_body,
+    int_field,
+    number_field,
+    sse_response,
+    top_logprobs,
+)
 from SimpleTorchLLMRL.model.sampling import SamplingConfig
 
 MAX_PROMPTS = 64
@@ -38,24 +48,6 @@ class CompletionRequest:
     include_usage: bool = False
     logprobs: int | None = None
     return_token_ids: bool = False
-
-
-def _number(body: dict, key: str, lo: float, hi: float, default):
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise bad(f"'{key}' must be a number in [{lo}, {hi}], got {value!r}", key)
-    return value
-
-
-def _int(body: dict, key: str, lo: int, hi: int | None, default):
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-        raise bad(f"'{key}' must be an integer >= {lo}{'' if hi is None else f' and <= {hi}'}, got {value!r}", key)
-    return value
 
 
 def _is_ids(x) -> bool:
@@ -84,18 +76,13 @@ def _prompts(body: dict) -> list[str | list[int]]:
 def parse_completion(body, model_name: str, defaults: SamplingConfig) -> CompletionRequest:
     """Validate a /v1/completions body. Options it leaves out keep the generator's (tool-call stops do not
     apply: a text completion has no tools)."""
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise RequestError(404, f"The model '{model}' does not exist; this gateway serves '{model_name}'",
-                           code="model_not_found", param="model")
+    check_body(body, model_name)
     for key, allowed in REFUSED.items():
         if key in body and body[key] not in allowed:
             raise bad(f"'{key}' is not supported by this gateway's /v1/completions; leave it out", key)
     prompts = _prompts(body)
-    n = _int(body, "n", 1, MAX_N, 1)
-    best_of = _int(body, "best_of", 1, MAX_N, None)
+    n = int_field(body, "n", 1, MAX_N, 1)
+    best_of = int_field(body, "best_of", 1, MAX_N, None)
     if best_of is not None and best_of != n:
         raise bad(f"'best_of' other than n is not supported (got best_of={best_of}, n={n}); leave it out",
                   "best_of")
@@ -105,18 +92,18 @@ def parse_completion(body, model_name: str, defaults: SamplingConfig) -> Complet
         raise bad("'stop' must be a string or a list of at most 4 strings", "stop")
     try:
         sampling = SamplingConfig(
-            max_new_tokens=_int(body, "max_tokens", 1, None, defaults.max_new_tokens),
-            temperature=_number(body, "temperature", 0, 2, defaults.temperature), do_sample=defaults.do_sample,
-            top_p=_number(body, "top_p", 0, 1, defaults.top_p) or None, top_k=defaults.top_k,
+            max_new_tokens=int_field(body, "max_tokens", 1, None, defaults.max_new_tokens),
+            temperature=number_field(body, "temperature", 0, 2, defaults.temperature), do_sample=defaults.do_sample,
+            top_p=number_field(body, "top_p", 0, 1, defaults.top_p) or None, top_k=defaults.top_k,
             stop=tuple(defaults.stop) + tuple([stop] if isinstance(stop, str) else stop or []),
             eos_token_ids=defaults.eos_token_ids)
     except ValueError as e:
         raise bad(str(e)) from e
     options = body.get("stream_options") or {}
-    return CompletionRequest(prompts=prompts, sampling=sampling, n=n, seed=_int(body, "seed", 0, MAX_SEED, None),
+    return CompletionRequest(prompts=prompts, sampling=sampling, n=n, seed=int_field(body, "seed", 0, MAX_SEED, None),
                              stream=bool(body.get("stream")),
                              include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
-                             logprobs=_int(body, "logprobs", 0, MAX_LOGPROBS, None),
+                             logprobs=int_field(body, "logprobs", 0, MAX_LOGPROBS, None),
                              return_token_ids=bool(body.get("return_token_ids")))
 
 
@@ -183,7 +170,7 @@ def stream_chunks(full: dict, include_usage: bool) -> list[dict]:
 def completions_route(gateway, error):
     """The FastAPI endpoint of POST /v1/completions over `gateway` (a `Gateway`)."""
     from fastapi import Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse
 
     generator = gateway.generator
 
@@ -222,13 +209,6 @@ def completions_route(gateway, error):
         payload = text_completion(gateway.model_name, choices, prompt_ids, req.return_token_ids)
         if not req.stream:
             return JSONResponse(payload)
-        chunks = stream_chunks(payload, req.include_usage)
-
-        async def events():
-            for c in chunks:
-                yield f"data: {json.dumps(c)}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return sse_response(stream_chunks(payload, req.include_usage))
 
     return completions

@@ -66,7 +66,30 @@ class ChatRequest:
 # ----------------------------------------------------------------------------- requests
 
 
-def _number(body: dict, key: str, lo: float, hi: float, default):
+def check_body(body, model_name: str) -> None:
+    """A request body is a JSON object asking for the served model (or none): else a 400, or a 404 naming it."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise RequestError(404, f"The model '{model}' does not exist; this gateway serves '{model_name}'",
+                           code="model_not_found", param="model")
+
+
+def sse_response(chunks):
+    """Server-sent events of `chunks` (JSON payloads), then OpenAI's `[DONE]`."""
+    from fastapi.responses import StreamingResponse
+
+    async def events():
+        for c in chunks:
+            yield f"data: {json.dumps(c)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def number_field(body: dict, key: str, lo: float, hi: float, default):
+    """body[key], a number in [lo, hi], or `default` when absent; a 400 naming the field otherwise."""
     value = body.get(key)
     if value is None:
         return default
@@ -75,7 +98,8 @@ def _number(body: dict, key: str, lo: float, hi: float, default):
     return value
 
 
-def _int(body: dict, key: str, lo: int, hi: int | None, default):
+def int_field(body: dict, key: str, lo: int, hi: int | None, default):
+    """body[key], an integer in [lo, hi] (no upper bound when hi is None), or `default`; else a 400."""
     value = body.get(key)
     if value is None:
         return default
@@ -155,12 +179,7 @@ def parse_request(body: Any, model_name: str, defaults: SamplingConfig) -> ChatR
     """Validate a /v1/chat/completions body. Options the request leaves out keep the generator's; a field
     the gateway does not honour is refused with a 400 naming it unless it asks for nothing (`gateway.fields`).
     tool_choice "none": the tools are neither offered to the template nor parsed from the reply."""
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise RequestError(404, f"The model '{model}' does not exist; this gateway serves '{model_name}'",
-                           code="model_not_found", param="model")
+    check_body(body, model_name)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' is required: a non-empty list of messages", "messages")
@@ -171,20 +190,20 @@ def parse_request(body: Any, model_name: str, defaults: SamplingConfig) -> ChatR
         tool_choice = tool_choice_of(body, tools)
     except FieldError as e:
         raise bad(e.message, e.param, e.code) from e
-    max_tokens = _int(body, "max_completion_tokens", 1, None, None)
-    max_tokens = _int(body, "max_tokens", 1, None, max_tokens if max_tokens is not None else defaults.max_new_tokens)
+    max_tokens = int_field(body, "max_completion_tokens", 1, None, None)
+    max_tokens = int_field(body, "max_tokens", 1, None, max_tokens if max_tokens is not None else defaults.max_new_tokens)
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and len(stop) <= 4)):
         raise bad("'stop' must be a string or a list of at most 4 strings", "stop")
     try:
         sampling = SamplingConfig(
-            max_new_tokens=max_tokens, temperature=_number(body, "temperature", 0, 2, defaults.temperature),
-            do_sample=defaults.do_sample, top_p=_number(body, "top_p", 0, 1, defaults.top_p) or None,
+            max_new_tokens=max_tokens, temperature=number_field(body, "temperature", 0, 2, defaults.temperature),
+            do_sample=defaults.do_sample, top_p=number_field(body, "top_p", 0, 1, defaults.top_p) or None,
             top_k=defaults.top_k, stop=tuple(defaults.stop) + tuple([stop] if isinstance(stop, str) else stop or []),
             tool_call_stop=defaults.tool_call_stop, eos_token_ids=defaults.eos_token_ids)
     except ValueError as e:
         raise bad(str(e)) from e
-    top = _int(body, "top_logprobs", 0, 20, 0)
+    top = int_field(body, "top_logprobs", 0, 20, 0)
     if top and not body.get("logprobs"):
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     stream_options = body.get("stream_options") or {}
@@ -195,8 +214,8 @@ def parse_request(body: Any, model_name: str, defaults: SamplingConfig) -> ChatR
     if not isinstance(kwargs, dict):
         raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     return ChatRequest(chat=chat, tools=None if tool_choice == "none" else tools, sampling=sampling,
-                       n=_int(body, "n", 1, MAX_N, 1),
-                       seed=_int(body, "seed", 0, MAX_SEED, None), stream=bool(body.get("stream")),
+                       n=int_field(body, "n", 1, MAX_N, 1),
+                       seed=int_field(body, "seed", 0, MAX_SEED, None), stream=bool(body.get("stream")),
                        include_usage=bool(stream_options.get("include_usage")),
                        logprobs=bool(body.get("logprobs")), top_logprobs=top,
                        return_token_ids=bool(body.get("return_token_ids")), template_kwargs=kwargs,

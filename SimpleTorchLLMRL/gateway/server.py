@@ -16,7 +16,6 @@ session become rollouts: `gateway.sessions`. Wire format: `gateway.openai_format
 import asyncio
 import contextlib
 import dataclasses
-import json
 import socket
 import threading
 import time
@@ -36,6 +35,7 @@ from SimpleTorchLLMRL.gateway.openai_format import (
     new_id,
     parse_request,
     reply_view,
+    sse_response,
     stream_payloads,
     top_logprobs,
 )
@@ -160,7 +160,7 @@ class Gateway:
     def app(self):
         """The FastAPI application (serve it with any ASGI server)."""
         fastapi, _ = _fastapi()
-        from fastapi.responses import JSONResponse, StreamingResponse
+        from fastapi.responses import JSONResponse
 
         @contextlib.asynccontextmanager
         async def lifespan(_app):
@@ -203,14 +203,7 @@ class Gateway:
                 return JSONResponse({}, status_code=499)
             if not req.stream:
                 return JSONResponse(payload)
-            chunks = stream_payloads(payload, req.include_usage)
-
-            async def events():
-                for c in chunks:
-                    yield f"data: {json.dumps(c)}\n\n"
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return sse_response(stream_payloads(payload, req.include_usage))
 
         return app
 
