@@ -225,13 +225,14 @@ class CodeEnv(ToolUseEnv):
         states = [r.metadata["env_state"] for r in rollouts] if states is None else list(states)
         if len(states) != len(rollouts):
             raise ValueError(f"got {len(rollouts)} rollouts but {len(states)} states")
-        for i, s in enumerate(states):  # bad tests fail here, naming the row, before any run
+        tests = []
+        for i, s in enumerate(states):  # read once, here: bad tests fail naming the row, before any run
             try:
-                from_answer(getattr(s, "answer", s))
+                tests.append(from_answer(getattr(s, "answer", s)))
             except ValueError as e:
                 raise ValueError(f"row {i}: {e}") from None
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
-            verdicts = list(pool.map(self.verdict, rollouts, states))
+            verdicts = list(pool.map(self.verdict, rollouts, tests))
         n = max(1, len(verdicts))
         metrics = {
             "code/reward": sum(v.reward for v in verdicts) / n,

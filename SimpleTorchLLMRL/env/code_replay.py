@@ -314,15 +314,25 @@ def free_names(tests: str, bound: set[str], *, shadowed: set[str] = frozenset())
 
 def _namespace(program: TestProgram, pass_: _Pass) -> dict:
     ns: dict[str, Any] = {"__name__": "__tests__", "__builtins__": _builtins()}
-    exec(compile(program.prelude, "<prelude>", "exec"), ns)
-    tree = ast.parse(program.tests)
-    for n in {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}:
+    exec(_compiled(program.prelude, "<prelude>"), ns)
+    for n in _names_read(program.tests):
         if n in sys.stdlib_module_names and n not in ns and n not in program.remote and not hasattr(builtins, n):
             ns[n] = importlib.import_module(n)  # `math.isclose(...)` in tests that forgot `import math`
     for name in program.remote:
         ns[name] = _Remote(pass_, ("g", name))
     ns[_GUARD] = pass_.check
     return ns
+
+
+@functools.lru_cache(maxsize=1024)
+def _compiled(src: str, filename: str) -> types.CodeType:
+    """`src` compiled once (a data set's prelude or entry runs in every pass of every verdict)."""
+    return compile(src, filename, "exec")
+
+
+@functools.lru_cache(maxsize=1024)
+def _names_read(tests: str) -> frozenset[str]:
+    return frozenset(node.id for node in ast.walk(ast.parse(tests)) if isinstance(node, ast.Name))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -335,7 +345,7 @@ def _run(program: TestProgram, pass_: _Pass) -> None:
     ns = _namespace(program, pass_)
     exec(_guarded(program.tests), ns)
     if program.entry:
-        exec(compile(program.entry, "<tests>", "exec"), ns)
+        exec(_compiled(program.entry, "<tests>"), ns)
 
 
 def record(program: TestProgram) -> Recording:
