@@ -162,11 +162,12 @@ def _write_files(tmp: Path, step: int, model, optimizer, scheduler, state, extra
 
 def _prune(root: Path, step: int, keep_last: int) -> None:
     """Delete all but the newest `keep_last` checkpoints up to `step`; say so when newer ones exist."""
-    newer = [p for p in _candidates(root) if _step_of(p) > step]
+    candidates = _candidates(root)  # newest first
+    newer = [p for p in candidates if _step_of(p) > step]
     if newer:
         warn_user(f"{root} holds {newer[0].name}, newer than {PREFIX}{step:06d} just written: it is left in "
                   "place, and resuming would load it (empty the directory to start over)")
-    for old in [p for p in _candidates(root) if _step_of(p) <= step][keep_last:]:
+    for old in [p for p in candidates if _step_of(p) <= step][keep_last:]:
         try:
             shutil.rmtree(old)
         except OSError as e:
