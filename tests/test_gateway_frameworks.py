@@ -292,17 +292,19 @@ def test_langgraph_streamed_tokens_merge_the_same_way(served, wire):
 
 
 def test_a_follow_up_on_a_langgraph_thread_extends_the_same_rollout(served, wire):
-    """A checkpointed thread sends the whole history again with the next user message: one rollout."""
+    """A checkpointed thread sends the whole history again (the named agent's replies with their name)
+    with the next user message: one rollout, every reply sent back named."""
     from langgraph.checkpoint.memory import InMemorySaver
 
     gw, url, tok = served
-    agent = react_agent(url, "lg-thread", None, checkpointer=InMemorySaver())
+    agent = react_agent(url, "lg-thread", "solver", checkpointer=InMemorySaver())
     thread = {"configurable": {"thread_id": "t1"}}
     agent.invoke({"messages": [{"role": "user", "content": QUESTION}]}, thread)
     agent.invoke({"messages": [{"role": "user", "content": QUESTIONS[1]}]}, thread)
     [rollout] = check_rollouts(gw, tok, "lg-thread", wire)
     assert [m.content for m in rollout if m.type is MessageType.MESSAGE] == QUESTIONS[:2]
-    assert len(sampled(rollout)) >= 3
+    turns = sampled(rollout)
+    assert len(turns) >= 3 and [m.name for m in turns] == ["solver"] * (len(turns) - 1) + [None]
 
 
 def test_concurrent_named_episodes_under_one_api_key_are_one_rollout_each(served, wire):
