@@ -38,8 +38,10 @@ def _positive_int(text: str) -> int:
 def parse_args(argv=None) -> argparse.Namespace:
     from SimpleTorchLLMRL.gateway.limits import DEFAULT_MAX_BODY_BYTES
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="a local HF model directory (or a vLLM model with --backend vllm)")
+    ap = argparse.ArgumentParser(prog="python -m SimpleTorchLLMRL.gateway", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a local HF model directory (or a vLLM model with --backend vllm); "
+                    "the embedded tiny model: SimpleTorchLLMRL/assets/tiny_calc")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--record-to", default=None, help="a .jsonl file that receives the recorded rollouts")
