@@ -8,9 +8,10 @@ Implements what `SimpleTorchLLMRL.model.vllm` touches, with vLLM's semantics:
   `list[RequestOutput]` in prompt order; prompts are `TokensPrompt` dicts or strings.
 - `SamplingParams` fields and validation (temperature in [0, 2], 0 = greedy and then n must be 1,
   top_k 0/-1 disables, top_p in (0, 1], max_tokens >= 1, stop str -> [str], logprobs >= 0 or -1).
-- Sampling order: temperature, then top-k, then top-p. `logprobs_mode`: "raw_logprobs" is
-  log_softmax(logits); "processed_logprobs" is taken after temperature and top-k/top-p;
-  greedy requests use untempered logits for both (vLLM's all-greedy path).
+- Sampling order: logit_bias, frequency / presence penalties (over the completion's tokens), then
+  temperature, then top-k, then top-p. `logprobs_mode`: "raw_logprobs" is log_softmax(logits), before
+  all of them; "processed_logprobs" is taken after them all; greedy requests use untempered (but
+  biased, penalized) logits for the latter (vLLM's all-greedy path).
 - `CompletionOutput(index, text, token_ids, cumulative_logprob, logprobs, finish_reason, stop_reason)`,
   logprobs a list (one per sampled token) of dict[token_id -> Logprob(logprob, rank, decoded_token)].
   EOS: finish "stop", stop_reason None, EOS id kept in token_ids. stop_token_ids: stop_reason = the id.
@@ -317,9 +318,9 @@ class LLM:
         return PeftModel.from_pretrained(copy.deepcopy(self._vllm_model.hf), lora.lora_path).eval()
 
     def _complete(self, model, prompt: list[int], sp: SamplingParams, index: int, lora) -> CompletionOutput:
-        if sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0 or sp.min_p or sp.bad_words \
-                or sp.logit_bias or sp.allowed_token_ids or sp.min_tokens:
-            raise NotImplementedError("the fake engine implements temperature / top-k / top-p sampling only")
+        if sp.repetition_penalty != 1.0 or sp.min_p or sp.bad_words or sp.allowed_token_ids or sp.min_tokens:
+            raise NotImplementedError("the fake engine implements temperature / top-k / top-p sampling, logit_bias "
+                                      "and frequency / presence penalties only")
         greedy = sp.temperature < 1e-5
         gen = torch.Generator().manual_seed(sp.seed + index) if sp.seed is not None else self._rng
         eos = self._tokenizer.eos_token_id
@@ -334,11 +335,12 @@ class LLM:
                 res = model(input_ids=torch.tensor([step_ids]), past_key_values=past, use_cache=True)
                 past, logits = res.past_key_values, res.logits[0, -1].float()  # (V,)
             raw = torch.log_softmax(logits, -1)
+            shifted = _shifted(logits, sp, out_ids)  # bias and penalties, after the raw log-probs
             if greedy:
-                tok = int(torch.argmax(logits))
-                processed, processed_logits = raw, logits
+                tok = int(torch.argmax(shifted))
+                processed, processed_logits = torch.log_softmax(shifted, -1), shifted
             else:
-                processed_logits = _top_k_top_p(logits / sp.temperature, sp.top_k, sp.top_p)
+                processed_logits = _top_k_top_p(shifted / sp.temperature, sp.top_k, sp.top_p)
                 processed = torch.log_softmax(processed_logits, -1)
                 tok = int(torch.multinomial(processed.exp(), 1, generator=gen))
             table = {"raw_logprobs": raw, "processed_logprobs": processed, "raw_logits": logits,
@@ -372,6 +374,18 @@ class LLM:
             top = torch.topk(table, table.numel() if k == -1 else k).indices.tolist()
             out.update({t: entry(t) for t in top if t not in out})
         return out
+
+
+def _shifted(logits: torch.Tensor, sp: SamplingParams, out_ids: list[int]) -> torch.Tensor:
+    """vLLM's order: logits + logit_bias, then - frequency_penalty * count - presence_penalty * (count > 0),
+    counted over the completion's own tokens (the prompt is not)."""
+    if not (sp.logit_bias or sp.frequency_penalty or sp.presence_penalty):
+        return logits
+    z = logits.clone()
+    for t, b in (sp.logit_bias or {}).items():
+        z[int(t)] += b
+    counts = torch.bincount(torch.tensor(out_ids, dtype=torch.long), minlength=z.numel()).float()
+    return z - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).float()
 
 
 def _top_k_top_p(logits: torch.Tensor, k: int, p: float) -> torch.Tensor:

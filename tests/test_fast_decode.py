@@ -12,6 +12,7 @@ from SimpleTorchLLMRL.chat.tokenize import encode_prompt
 from SimpleTorchLLMRL.model import fast_decode
 from SimpleTorchLLMRL.model.fast_decode import DECODERS, StaticDecoder, supports_fast_decode
 from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.sampling import SamplingConfig
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -65,6 +66,28 @@ def test_fast_decode_samples_the_default_paths_ids(arch, sampling, device):
     assert_same(default, fast)
     if device == "cuda":  # the graph path ran, not the eager fallback
         assert DECODERS[model][1].graph is not None
+    model.to("cpu")
+
+
+# logit_bias / frequency / presence penalties: the picker's in-place offset, per completion (ids 9, 40: any two)
+SHIFTED = {
+    "bias_penalties": SamplingConfig(max_new_tokens=24, temperature=0.9, logit_bias={9: 2.0, 40: -3.0},
+                                     frequency_penalty=0.8, presence_penalty=0.5),
+    "greedy_penalties": SamplingConfig(max_new_tokens=24, temperature=0.0, frequency_penalty=1.5,
+                                       presence_penalty=0.5),
+    "truncated_bias": SamplingConfig(max_new_tokens=24, temperature=0.7, top_k=20, top_p=0.9, logit_bias={9: 1.5},
+                                     presence_penalty=-0.5),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shift", list(SHIFTED))
+def test_bias_and_penalties_sample_the_same_ids_on_both_paths(arch, shift, device):
+    """Two calls each: the second reuses the fast decoder and its picker, whose counts restart at zero."""
+    model, tok = arch
+    default, fast = both(model, tok, questions(3), n=2, device=device, calls=2, sampling=SHIFTED[shift])
+    assert_same(default, fast)
+    assert all(m.sampling == SHIFTED[shift].distribution_changes() for call in fast for g in call for m in g)
     model.to("cpu")
 
 

@@ -92,11 +92,17 @@ def test_tool_choice_none_streamed_has_no_tool_calls(served, env):
 FN = {"name": "calculator", "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}}}
 
-# (field, value, passed as an SDK keyword): each would change the reply and is not implemented
+# (field, value, passed as an SDK keyword): each would change the reply and is not implemented, or is an
+# honoured field's value out of OpenAI's range
 REFUSED = [
-    ("logit_bias", {"30": -100}, True),
-    ("frequency_penalty", 0.5, True),
-    ("presence_penalty", -0.5, True),
+    ("logit_bias", {"30": -101}, True),
+    ("logit_bias", {"thirty": 1}, True),
+    ("logit_bias", {"99999999": 1}, True),  # outside the vocabulary
+    ("logit_bias", {"30": True}, True),
+    ("logit_bias", [30], True),
+    ("frequency_penalty", 2.5, True),
+    ("presence_penalty", -2.01, True),
+    ("presence_penalty", True, True),
     ("response_format", {"type": "json_object"}, True),
     ("response_format", SCHEMA, True),
     ("parallel_tool_calls", False, True),

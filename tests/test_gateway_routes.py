@@ -212,9 +212,10 @@ def test_completion_stop_stream_and_logprobs(client, calc):
 
 
 @pytest.mark.parametrize("extra,param", [({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
-                                         ({"logit_bias": {"30": -100}}, "logit_bias"),
-                                         ({"presence_penalty": 0.5}, "presence_penalty"),
-                                         ({"frequency_penalty": 1}, "frequency_penalty"),
+                                         ({"logit_bias": {"30": -200}}, "logit_bias"),
+                                         ({"logit_bias": {"-1": 5}}, "logit_bias"),
+                                         ({"presence_penalty": 2.5}, "presence_penalty"),
+                                         ({"frequency_penalty": "1"}, "frequency_penalty"),
                                          ({"best_of": 3}, "best_of"), ({"n": 0}, "n"), ({"logprobs": 9}, "logprobs"),
                                          ({"temperature": 3}, "temperature"), ({"prompt": ""}, "prompt"),
                                          ({"prompt": [[1, 10**9]]}, "prompt"), ({"prompt": {"a": 1}}, "prompt"),

@@ -20,6 +20,7 @@ from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
 from SimpleTorchLLMRL.env.ToolQASolve import ToolUseEnv
 from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.sampling import SamplingConfig
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 from SimpleTorchLLMRL.tools.calculator import calculator
@@ -85,6 +86,33 @@ def test_greedy_ids_equal_hf_greedy_and_lengths_and_stops(llm, hf):
     if stop and stop.strip():
         cut = ModelGenerate(llm, tok, max_new_tokens=20, do_sample=False, stop=[stop]).generate(rollouts[:1])[0][0]
         assert cut.content.endswith(stop) and cut.finish_reason == "stop"
+
+
+def test_logit_bias_and_penalties_match_the_hf_picker_and_keep_raw_logprobs(llm, hf):
+    """SamplingParams.logit_bias / frequency_penalty / presence_penalty: greedy ids equal the HF picker's under
+    the same settings (same semantics: bias, then penalties over the completion's own tokens), and the
+    engine's raw_logprobs stay the HF model's log-probs of the raw logits."""
+    model, tok = hf
+    rollouts = _rollouts()
+    plain = ModelGenerate(llm, tok, max_new_tokens=12, do_sample=False).generate(rollouts)
+    first = plain[0][0].token_ids[0]
+    configs = [SamplingConfig(max_new_tokens=12, do_sample=False, logit_bias={first: -100}),
+               SamplingConfig(max_new_tokens=12, do_sample=False, frequency_penalty=1.5, presence_penalty=0.5),
+               SamplingConfig(max_new_tokens=12, temperature=1.0, logit_bias={first: -100}, frequency_penalty=0.7,
+                              presence_penalty=0.3)]
+    worst = 0.0
+    for cfg in configs:
+        engine = ModelGenerate(llm, tok, temperature=1.0, seed=0).generate(rollouts, sampling=cfg)
+        if cfg.greedy:
+            local = ModelGenerate(model, tok, temperature=1.0).generate(rollouts, sampling=cfg)
+            assert [g[0].token_ids for g in engine] == [g[0].token_ids for g in local]
+        for r, (m,) in zip(rollouts, engine, strict=True):
+            assert m.sampling == cfg.distribution_changes()
+            if cfg.logit_bias:
+                assert first not in m.token_ids
+            want = hf_logprobs(model, encode_prompt(r, tok), m.token_ids)
+            worst = max(worst, float((torch.tensor(m.logprobs) - want).abs().max()))
+    assert worst <= FP32_TOL, worst
 
 
 def test_multi_turn_episodes_keep_as_sampled_prompts(llm, hf):

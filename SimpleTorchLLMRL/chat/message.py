@@ -61,7 +61,11 @@ class Message:
     `policy_version` is the version of the weights that sampled the turn
     (set by the generator; see `ModelGenerate.policy_version`). `adapter` names the
     LoRA adapter that sampled it when the generator was asked for one (one adapter
-    per agent: `model/adapters.py`); `name` is the agent that speaks.
+    per agent: `model/adapters.py`); `name` is the agent that speaks. `sampling` holds the settings,
+    beyond temperature, that made the distribution the turn was drawn from differ from
+    softmax(logits / temperature) (top_k, top_p, logit_bias, frequency_penalty, presence_penalty, as
+    `SamplingConfig.distribution_changes` builds them); None when nothing did. `logprobs` stay those of
+    softmax(logits / temperature) either way: such a turn is off-policy for them (docs/generation.md).
     """
 
     content: str
@@ -76,6 +80,7 @@ class Message:
     temperature: float | None = field(default=None, kw_only=True)
     policy_version: int | None = field(default=None, kw_only=True)
     adapter: str | None = field(default=None, kw_only=True)
+    sampling: dict[str, Any] | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.content, str):
@@ -102,6 +107,9 @@ class Message:
             raise TypeError(f"Message policy_version must be an int or None, got {self.policy_version!r}")
         if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
             raise TypeError(f"Message adapter must be a non-empty str or None, got {self.adapter!r}")
+        if self.sampling is not None and (not isinstance(self.sampling, dict)
+                                          or not all(isinstance(k, str) for k in self.sampling)):
+            raise TypeError(f"Message sampling must be a dict with str keys or None, got {self.sampling!r:.80}")
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS} or None, got {self.finish_reason!r}")
 
@@ -233,13 +241,14 @@ def sampled_versions(rollouts: Iterable[Rollout]) -> list[int]:
 
 # ---------------------------------------------------------------------- records (JSON-ready dicts; files in chat.rollout_io)
 
-# Version 2 added Message.adapter. A record is written with the lowest version that holds it (1 unless
-# some message names an adapter), so files without adapters stay readable by older versions of the library.
-FORMAT_VERSION = 2
+# Version 2 added Message.adapter, version 3 Message.sampling. A record is written with the lowest version
+# that holds it (1 unless some message names an adapter or carries sampling changes), so files without them
+# stay readable by older versions of the library.
+FORMAT_VERSION = 3
 SKIPPED_METADATA = ("env_state",)  # live environment objects from collect_rollouts
 _FIELDS = ("name", "trainable", "token_ids", "logprobs", "tool_calls", "tool_call_id", "finish_reason",
-           "temperature", "policy_version", "adapter")
-_SINCE = {"adapter": 2}  # fields newer than version 1: the version that introduced them
+           "temperature", "policy_version", "adapter", "sampling")
+_SINCE = {"adapter": 2, "sampling": 3}  # fields newer than version 1: the version that introduced them
 
 
 def message_to_dict(m: Message) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 A rollout is stored as `Rollout.to_dict()`: every message field (type, name,
 content, trainable flag, sampled token ids and log-probs, sampling temperature,
-tool calls and tool-call id, finish reason, policy version, adapter) and the metadata.
+tool calls and tool-call id, finish reason, policy version, adapter, sampling changes) and the metadata.
 Log-probs are stored as float64, which holds the generator's float32 values
 exactly. Metadata must be JSON (str keys; str, numbers, bools, None, lists,
 dicts); anything else is an error naming the key, except the live `env_state`
@@ -126,18 +126,22 @@ def _pyarrow():
     return pyarrow
 
 
+_JSON_FIELDS = ("tool_calls", "sampling")  # message fields of free-form JSON: stored as JSON strings
+
+
 def _message_type(pa):
     return pa.struct([("role", pa.string()), ("content", pa.string()), ("name", pa.string()),
                       ("trainable", pa.bool_()), ("token_ids", pa.list_(pa.int64())),
                       ("logprobs", pa.list_(pa.float64())), ("tool_calls", pa.string()),
                       ("tool_call_id", pa.string()), ("finish_reason", pa.string()),
-                      ("temperature", pa.float64()), ("policy_version", pa.int64()), ("adapter", pa.string())])
+                      ("temperature", pa.float64()), ("policy_version", pa.int64()), ("adapter", pa.string()),
+                      ("sampling", pa.string())])
 
 
 def _write_parquet(path: Path, records: list[dict]) -> None:
     pa = _pyarrow()
     rows = {"format_version": [r["format_version"] for r in records],
-            "messages": [[dict(m, tool_calls=json.dumps(m["tool_calls"]) if "tool_calls" in m else None)
+            "messages": [[dict(m, **{k: json.dumps(m[k]) if k in m else None for k in _JSON_FIELDS})
                           for m in r["messages"]] for r in records],
             "metadata": [json.dumps(r["metadata"], ensure_ascii=False) for r in records]}
     schema = pa.schema([("format_version", pa.int64()), ("messages", pa.list_(_message_type(pa))),
@@ -151,8 +155,9 @@ def _read_parquet(path: Path) -> list[dict]:
     for row in pa.parquet.read_table(path).to_pylist():
         messages = [{k: v for k, v in m.items() if v is not None} for m in row["messages"]]
         for m in messages:
-            if "tool_calls" in m:
-                m["tool_calls"] = json.loads(m["tool_calls"])
+            for k in _JSON_FIELDS:
+                if k in m:
+                    m[k] = json.loads(m[k])
         out.append({"format_version": row["format_version"], "messages": messages,
                     "metadata": json.loads(row["metadata"])})
     return out

@@ -25,6 +25,7 @@ from SimpleTorchLLMRL.gateway.openai_format import (
     check_body,
     int_field,
     number_field,
+    sampling_controls,
     sse_response,
     top_logprobs,
 )
@@ -34,8 +35,7 @@ MAX_PROMPTS = 64
 MAX_LOGPROBS = 5  # OpenAI's legacy limit on `logprobs`
 # fields of the legacy API this gateway does not honour: refused with a 400 naming them when set to
 # anything but their no-op value
-REFUSED = {"suffix": (None, ""), "echo": (None, False), "logit_bias": (None, {}),
-           "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0)}
+REFUSED = {"suffix": (None, ""), "echo": (None, False)}
 
 
 @dataclass
@@ -73,9 +73,9 @@ def _prompts(body: dict) -> list[str | list[int]]:
     return prompts
 
 
-def parse_completion(body, model_name: str, defaults: SamplingConfig) -> CompletionRequest:
+def parse_completion(body, model_name: str, defaults: SamplingConfig, vocab_size: int | None = None) -> CompletionRequest:
     """Validate a /v1/completions body. Options it leaves out keep the generator's (tool-call stops do not
-    apply: a text completion has no tools)."""
+    apply: a text completion has no tools); logit_bias ids must be below `vocab_size` when given."""
     check_body(body, model_name)
     for key, allowed in REFUSED.items():
         if key in body and body[key] not in allowed:
@@ -90,13 +90,14 @@ def parse_completion(body, model_name: str, defaults: SamplingConfig) -> Complet
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and len(stop) <= 4
                                                            and all(isinstance(s, str) for s in stop))):
         raise bad("'stop' must be a string or a list of at most 4 strings", "stop")
+    controls = sampling_controls(body, defaults, vocab_size)
     try:
         sampling = SamplingConfig(
             max_new_tokens=int_field(body, "max_tokens", 1, None, defaults.max_new_tokens),
             temperature=number_field(body, "temperature", 0, 2, defaults.temperature), do_sample=defaults.do_sample,
             top_p=number_field(body, "top_p", 0, 1, defaults.top_p) or None, top_k=defaults.top_k,
             stop=tuple(defaults.stop) + tuple([stop] if isinstance(stop, str) else stop or []),
-            eos_token_ids=defaults.eos_token_ids)
+            eos_token_ids=defaults.eos_token_ids, **controls)
     except ValueError as e:
         raise bad(str(e)) from e
     options = body.get("stream_options") or {}
@@ -177,7 +178,7 @@ def completions_route(gateway, error):
     async def completions(request: Request):
         try:
             body = parse_json(await read_body(request, gateway.max_body_bytes))
-            req = parse_completion(body, gateway.model_name, gateway.defaults)
+            req = parse_completion(body, gateway.model_name, gateway.defaults, gateway.vocab_size)
             if req.logprobs and not hasattr(generator.backend, "model"):
                 raise bad("logprobs > 0 needs the HF backend (this gateway runs vLLM); use logprobs: 0", "logprobs")
             prompt_ids = await asyncio.to_thread(encode, req.prompts, generator.tokenizer, generator.max_context,

@@ -20,6 +20,7 @@ from typing import Any
 HONOURED = frozenset({
     "model", "messages", "tools", "tool_choice", "temperature", "top_p", "n", "max_tokens", "max_completion_tokens",
     "stop", "seed", "stream", "stream_options", "logprobs", "top_logprobs", "return_token_ids", "chat_template_kwargs",
+    "logit_bias", "frequency_penalty", "presence_penalty",
 })
 
 # accepted; they identify, tag or route a request at OpenAI and change nothing that is sampled here
@@ -36,11 +37,6 @@ def _unset(value: Any) -> bool:
 
 # field -> (is the value the default, i.e. a request that asks for nothing; why it is refused otherwise)
 REFUSED_UNLESS_DEFAULT: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "logit_bias": (lambda v: v is None or v == {}, "logit_bias is not supported yet: sampling is not biased"),
-    "frequency_penalty": (lambda v: v is None or (not isinstance(v, bool) and v == 0),
-                          "frequency_penalty is not supported yet; only 0 (the default) is accepted"),
-    "presence_penalty": (lambda v: v is None or (not isinstance(v, bool) and v == 0),
-                         "presence_penalty is not supported yet; only 0 (the default) is accepted"),
     "response_format": (lambda v: v is None or v == {"type": "text"},
                         "response_format is not supported yet (no constrained decoding): only {\"type\": \"text\"} "
                         "is accepted; json_object and json_schema are refused rather than answered unconstrained"),

@@ -98,6 +98,36 @@ def number_field(body: dict, key: str, lo: float, hi: float, default):
     return value
 
 
+def sampling_controls(body: dict, defaults: SamplingConfig, vocab_size: int | None) -> dict:
+    """logit_bias, frequency_penalty and presence_penalty of a request as `SamplingConfig` keywords (the
+    defaults' where the request leaves them out), in OpenAI's ranges: penalties in [-2, 2]; bias keys token
+    ids as integer strings, below `vocab_size` when given, values in [-100, 100]. A 400 naming the field
+    otherwise."""
+    out = {key: number_field(body, key, -2, 2, getattr(defaults, key))
+           for key in ("frequency_penalty", "presence_penalty")}
+    bias = body.get("logit_bias")
+    if bias is None:
+        return {**out, "logit_bias": defaults.logit_bias}
+    if not isinstance(bias, dict):
+        raise bad(f"'logit_bias' must be an object of token ids (integer strings) to numbers in [-100, 100], got "
+                  f"{bias!r:.80}", "logit_bias")
+    pairs: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise bad(f"'logit_bias' keys must be token ids written as integer strings, got {key!r:.40}", "logit_bias")
+        tok = int(key)
+        if vocab_size is not None and tok >= vocab_size:
+            raise bad(f"'logit_bias' names token id {tok}, outside this model's vocabulary [0, {vocab_size})",
+                      "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad(f"'logit_bias[\"{key}\"]' must be a number in [-100, 100], got {value!r:.40}", "logit_bias")
+        if tok in pairs:
+            raise bad(f"'logit_bias' names token id {tok} twice", "logit_bias")
+        pairs[tok] = float(value)
+    out["logit_bias"] = pairs
+    return out
+
+
 def int_field(body: dict, key: str, lo: int, hi: int | None, default):
     """body[key], an integer in [lo, hi] (no upper bound when hi is None), or `default`; else a 400."""
     value = body.get(key)
@@ -175,10 +205,11 @@ def _tools(body: dict) -> list[dict] | None:
     return tools
 
 
-def parse_request(body: Any, model_name: str, defaults: SamplingConfig) -> ChatRequest:
+def parse_request(body: Any, model_name: str, defaults: SamplingConfig, vocab_size: int | None = None) -> ChatRequest:
     """Validate a /v1/chat/completions body. Options the request leaves out keep the generator's; a field
     the gateway does not honour is refused with a 400 naming it unless it asks for nothing (`gateway.fields`).
-    tool_choice "none": the tools are neither offered to the template nor parsed from the reply."""
+    tool_choice "none": the tools are neither offered to the template nor parsed from the reply.
+    vocab_size: the ids logit_bias may name (None: not checked here; the backend checks at generate)."""
     check_body(body, model_name)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -195,12 +226,13 @@ def parse_request(body: Any, model_name: str, defaults: SamplingConfig) -> ChatR
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and len(stop) <= 4)):
         raise bad("'stop' must be a string or a list of at most 4 strings", "stop")
+    controls = sampling_controls(body, defaults, vocab_size)
     try:
         sampling = SamplingConfig(
             max_new_tokens=max_tokens, temperature=number_field(body, "temperature", 0, 2, defaults.temperature),
             do_sample=defaults.do_sample, top_p=number_field(body, "top_p", 0, 1, defaults.top_p) or None,
             top_k=defaults.top_k, stop=tuple(defaults.stop) + tuple([stop] if isinstance(stop, str) else stop or []),
-            tool_call_stop=defaults.tool_call_stop, eos_token_ids=defaults.eos_token_ids)
+            tool_call_stop=defaults.tool_call_stop, eos_token_ids=defaults.eos_token_ids, **controls)
     except ValueError as e:
         raise bad(str(e)) from e
     top = int_field(body, "top_logprobs", 0, 20, 0)

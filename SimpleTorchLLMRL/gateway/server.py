@@ -92,6 +92,7 @@ class Gateway:
         # the defaults requests are parsed against: copied once, so a generation in flight with a
         # request's own settings can never leak into the parsing of another request
         self.defaults = dataclasses.replace(generator.config)
+        self.vocab_size = len(generator.tokenizer)  # the token ids a request's logit_bias may name
         self.max_body_bytes = max_body_bytes
         self.tool_parsers = tool_parsers
         self.store = SessionStore(ttl=session_ttl, max_sessions=max_sessions, on_finish=self._write, clock=clock)
@@ -194,7 +195,7 @@ class Gateway:
         async def chat(request: fastapi.Request):
             try:
                 body = parse_json(await read_body(request, self.max_body_bytes))
-                req = parse_request(body, self.model_name, self.defaults)
+                req = parse_request(body, self.model_name, self.defaults, self.vocab_size)
                 check_prompt_size(req, self.generator.max_context)
                 payload = await self._complete(session_name(request.headers), req, request)
             except RequestError as e:

@@ -183,7 +183,7 @@ class StaticDecoder:
         if self.logits is None or self.logits.shape != scores.shape:
             self.logits, self.graph = torch.empty_like(scores), None
         self.logits.copy_(scores)
-        self.picker.scratch.like(scores)  # allocated before any capture or trace
+        self.picker.prepare(scores)  # buffers allocated before any capture or trace; penalty counts zeroed
         self.mask.zero_()
         self.mask[:, 0, 0, :L] = real
         self.pos.copy_(real.sum(-1, keepdim=True))

@@ -4,8 +4,10 @@ Legend: B batch (prompts x n samples), L longest prompt, N new tokens, V vocab.
 
 Every MODEL message carries the sampled `token_ids` (EOS / stop token kept),
 their `logprobs` under `softmax(logits / temperature)` *before* top-k/top-p
-truncation (the quantity a trainer recomputes), the `temperature` those
-log-probs are under, and a `finish_reason` ("stop", "length", "tool_call").
+truncation, logit_bias and penalties (the quantity a trainer recomputes), the
+`temperature` those log-probs are under, `sampling`: what else changed the
+distribution the turn was drawn from (`SamplingConfig.distribution_changes`,
+None when nothing did), and a `finish_reason` ("stop", "length", "tool_call").
 Prompts always come from `encode_prompt`, so prompt ids + sampled ids are a
 prefix of `encode_rollout` of the extended rollout.
 
@@ -93,8 +95,8 @@ class ModelGenerate:
 
     model: an HF causal LM (peft models too), a `vllm.LLM`, or with `backend="vllm"` a model path.
     sampling: the sampling options as one `SamplingConfig` (max_new_tokens, temperature, do_sample,
-    top_p, top_k, stop, tool_call_stop, eos_token_ids); the same options are also keyword arguments
-    (give one or the other). stop: stop strings (kept in text and ids); tool_call_stop: stop strings that end the turn with
+    top_p, top_k, stop, tool_call_stop, eos_token_ids; logit_bias, frequency_penalty and
+    presence_penalty only there); the others are also keyword arguments (give one or the other). stop: stop strings (kept in text and ids); tool_call_stop: stop strings that end the turn with
     finish_reason "tool_call" (e.g. "</tool_call>"). eos_token_ids: ids that end a turn (default:
     tokenizer EOS + model generation-config EOS). seed: makes the sequence of calls reproducible.
     batch_size: HF backend only, at most this many sequences per `generate` call (None: all at
@@ -270,12 +272,16 @@ class ModelGenerate:
         else:
             samples = self.backend.generate(prompts, n, seed, sampling=sampling, adapter=adapter)
         temperature = self.backend.logprob_temperature_for(sampling)
-        return [[self._message(s, temperature, a) for s in group] for group, a in zip(samples, recorded, strict=True)]
+        changes = sampling.distribution_changes()  # what the draw differed by from softmax(logits / T)
+        return [[self._message(s, temperature, a, changes) for s in group]
+                for group, a in zip(samples, recorded, strict=True)]
 
-    def _message(self, s: Sample, temperature: float, adapter: str | None = None) -> Message:
+    def _message(self, s: Sample, temperature: float, adapter: str | None = None,
+                 changes: dict | None = None) -> Message:
         return Message(s.text, MessageType.MODEL, token_ids=s.token_ids, logprobs=s.logprobs,
                        finish_reason=s.finish_reason, temperature=temperature,
-                       policy_version=self.policy_version, adapter=adapter)
+                       policy_version=self.policy_version, adapter=adapter,
+                       sampling=None if changes is None else dict(changes))
 
     def rollout_generate_response(self, rollout: Rollout, *, adapter: str | None = None) -> Message:
         """One MODEL message for `rollout` (not appended)."""

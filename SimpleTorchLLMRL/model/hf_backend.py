@@ -6,9 +6,10 @@ Two decode loops pick tokens with the same `TokenPicker`, so they sample the sam
 `model.generate` ("default") and the fast decode ("fast": a static KV cache, a compiled forward and
 the whole step as one CUDA graph; `fast_decode`), chosen by `decode=` ("auto": fast on CUDA where the
 model allows). Recorded log-probs are log_softmax(raw logits / T) of the chosen token, before any
-top-k / top-p truncation. Greedy takes the argmax. Sampling draws by inverse CDF, one uniform per row
-(`inverse_cdf_sample`), from softmax(logits / T) or from what the warpers (temperature, top-k, top-p:
-HF's, in HF's order) leave. HF's own sampling is `torch.multinomial`, an exponential race whose CPU
+top-k / top-p truncation, and before logit_bias / frequency / presence penalties, which shift the
+logits the draw is made from (`picker.LogitShift`). Greedy takes the argmax. Sampling draws by inverse
+CDF, one uniform per row (`inverse_cdf_sample`), from softmax(logits / T) or from what the warpers
+(temperature, top-k, top-p: HF's, in HF's order) leave. HF's own sampling is `torch.multinomial`, an exponential race whose CPU
 RNG costs ~18 ns per vocabulary entry (187 ms per step at B=64, V=151,936); the (B, V) temporaries
 live in one buffer reused across steps. Under `generate` the picker is the only logits processor and
 returns scores whose argmax is its token (`generate` runs greedy). The model's own generation-config
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from SimpleTorchLLMRL.model.logprobs import check_vocabulary
+from SimpleTorchLLMRL.model.logprobs import check_vocabulary, model_vocab_size
 from SimpleTorchLLMRL.model.picker import TokenPicker, checked_mass
 from SimpleTorchLLMRL.model.sampling import Sample, SamplingConfig, cut_sample, find_stop, stop_window
 from SimpleTorchLLMRL.model.shared_prefix import forward_last_logits, prefix_groups
@@ -114,6 +115,7 @@ class HFBackend:
         that LoRA adapter of a multi-adapter peft model active."""
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        sampling.check_vocabulary(model_vocab_size(self.model))
         from SimpleTorchLLMRL.model.adapters import use_adapter
 
         expanded = [p for p in prompts for _ in range(n)]  # prompt-major: p0 x n, p1 x n, ...
@@ -189,8 +191,9 @@ class HFBackend:
             compile = compile and may_compile(self.model, B, slots)
             held = (key, StaticDecoder(self.model, B, slots, device, graphs=True, compile=compile))
             DECODERS[self.model] = held
-        held[1].use_picker(TokenPicker(cfg), (cfg.greedy, cfg.temperature, cfg.top_k, cfg.top_p, cfg.eos_token_ids),
-                           cfg.eos_token_ids)
+        pick_key = (cfg.greedy, cfg.temperature, cfg.top_k, cfg.top_p, cfg.eos_token_ids, cfg.logit_bias,
+                    cfg.frequency_penalty, cfg.presence_penalty)
+        held[1].use_picker(TokenPicker(cfg), pick_key, cfg.eos_token_ids)
         stops = cfg.all_stops
         window = stop_window(stops) + CHECK_EVERY if stops else 0
 

@@ -4,7 +4,9 @@ Legend: B rows, V vocab.
 
 Shared by both HF decode loops (`hf_backend`'s `model.generate` processor and `fast_decode`'s CUDA
 graph), so under one seed they draw the same ids. Sampling is by inverse CDF, one float64 uniform
-per row from torch's RNG (`inverse_cdf_sample`).
+per row from torch's RNG (`inverse_cdf_sample`). logit_bias and frequency / presence penalties
+(`LogitShift`) are one (B, V) offset added to the raw scores before temperature, top-k and top-p,
+updated in place after each pick (no host sync, graph-safe); with none of them set, no op is added.
 """
 
 from __future__ import annotations
@@ -98,8 +100,18 @@ class TokenPicker:
         self.greedy, self.inv_t = cfg.greedy, 1.0 / cfg.logprob_temperature
         self.warpers = [] if cfg.greedy else _warpers(cfg)
         self.scratch = _Scratch()
+        self.shift = LogitShift(cfg) if cfg.shifts_logits else None
+
+    def prepare(self, scores: torch.Tensor) -> None:
+        """Before a decode (and before any CUDA graph capture): the step buffers for scores' (B, V) shape,
+        the penalty counts of a new completion zeroed in place."""
+        self.scratch.like(scores)
+        if self.shift is not None:
+            self.shift.reset(scores)
 
     def pick(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if self.shift is not None:
+            return self._pick_shifted(scores)
         inv_t = self.inv_t
         m = scores.amax(-1, keepdim=True)  # (B, 1)
         d = torch.sub(scores, m, out=self.scratch.like(scores))  # (B, V)
@@ -121,6 +133,83 @@ class TokenPicker:
             tok, total = inverse_cdf_sample(p, check=False)
         tok = tok[:, None]  # (B, 1)
         return tok.squeeze(1), (scores.gather(1, tok) * inv_t - lse).squeeze(1), total
+
+    def _pick_shifted(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`pick` with logit_bias / penalties: the draw is from the shifted scores, the log-prob of the raw ones."""
+        inv_t, buf = self.inv_t, self.scratch.like(scores)
+        m = scores.amax(-1, keepdim=True)  # (B, 1)
+        d = torch.sub(scores, m, out=buf)  # (B, V)
+        if inv_t != 1.0:
+            d.mul_(inv_t)
+        lse = m * inv_t + d.exp_().sum(-1, keepdim=True).log()  # (B, 1) of the raw scores at T
+        z = self.shift.apply(scores, out=buf)  # (B, V) the scores the draw is made from
+        total = None
+        if self.greedy:
+            tok = z.argmax(-1, keepdim=True)  # (B, 1)
+        else:
+            if self.warpers:  # HF's warpers (temperature first) return new tensors
+                for warp in self.warpers:
+                    z = warp(None, z)
+                p = torch.sub(z, z.amax(-1, keepdim=True), out=buf).exp_()  # (B, V)
+            else:
+                p = z.sub_(z.amax(-1, keepdim=True))
+                p = (p.mul_(inv_t) if inv_t != 1.0 else p).exp_()  # (B, V)
+            tok, total = inverse_cdf_sample(p, check=False)
+            tok = tok[:, None]  # (B, 1)
+        self.shift.count(tok)
+        return tok.squeeze(1), (scores.gather(1, tok) * inv_t - lse).squeeze(1), total
+
+
+class LogitShift:
+    """What logit_bias and the frequency / presence penalties add to a decode step's raw scores, as one
+    (B, V) float32 `offset` = bias - frequency_penalty * count - presence_penalty * (count > 0), with
+    count the times each id was picked so far in this completion (the prompt is not counted, as in vLLM).
+
+    `reset` (a new completion) sets offset to the bias and zeroes the counts in place; `count(tok)`
+    after each pick updates both in place with two scatters: no host sync, fixed addresses (graph-safe).
+    """
+
+    def __init__(self, cfg: SamplingConfig):
+        self.pairs, self.freq, self.pres = cfg.logit_bias, cfg.frequency_penalty, cfg.presence_penalty
+        self.bias: torch.Tensor | None = None  # (V,) float32
+        self.offset: torch.Tensor | None = None  # (B, V) float32
+        self.counts: torch.Tensor | None = None  # (B, V) float32, only with penalties
+        self.ones: torch.Tensor | None = None  # (B, 1) float32
+
+    def reset(self, scores: torch.Tensor) -> None:
+        B, V = scores.shape
+        dev = scores.device
+        if self.offset is None or self.offset.shape != scores.shape or self.offset.device != dev:
+            self.offset = torch.zeros(B, V, dtype=torch.float32, device=dev)
+            self.ones = torch.ones(B, 1, dtype=torch.float32, device=dev)
+            self.counts = torch.zeros(B, V, dtype=torch.float32, device=dev) if self.freq or self.pres else None
+        if self.pairs and (self.bias is None or self.bias.shape[0] != V or self.bias.device != dev):
+            bad = [t for t, _ in self.pairs if t >= V]
+            if bad:
+                raise ValueError(f"logit_bias names token id {bad[0]}, outside the model's {V} scored ids [0, {V})")
+            ids, values = zip(*self.pairs, strict=True)
+            self.bias = torch.zeros(V, dtype=torch.float32, device=dev)
+            self.bias[torch.tensor(ids, device=dev)] = torch.tensor(values, dtype=torch.float32, device=dev)
+        if self.bias is not None:
+            self.offset.copy_(self.bias.expand(B, V))
+        else:
+            self.offset.zero_()
+        if self.counts is not None:
+            self.counts.zero_()
+
+    def apply(self, scores: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """scores (B, V) + offset into `out` (allocated on the first call of a completion: `reset`)."""
+        if self.offset is None or self.offset.shape != scores.shape or self.offset.device != scores.device:
+            self.reset(scores)
+        return torch.add(scores, self.offset, out=out)
+
+    def count(self, tok: torch.Tensor) -> None:
+        """After a pick of tok (B, 1): its count + 1, its offset - (frequency + presence if it is new)."""
+        if self.counts is None:
+            return
+        step = (self.counts.gather(1, tok) == 0).float().mul_(self.pres).add_(self.freq)  # (B, 1)
+        self.counts.scatter_add_(1, tok, self.ones)
+        self.offset.scatter_add_(1, tok, step.neg_())
 
 
 def _warpers(cfg: SamplingConfig) -> list:

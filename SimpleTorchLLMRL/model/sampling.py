@@ -8,7 +8,8 @@ Legend: N new tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -47,7 +48,15 @@ class Backend(Protocol):
 
 @dataclass
 class SamplingConfig:
-    """What to sample and when to stop; validated on construction."""
+    """What to sample and when to stop; validated on construction.
+
+    logit_bias: token id -> a float added to that token's raw logit (a dict, or (id, bias) pairs; kept as
+    a sorted tuple of pairs, so configs compare and hash by value). frequency_penalty / presence_penalty
+    (OpenAI's, in [-2, 2]): logit_z -= frequency_penalty * count(z) + presence_penalty * (count(z) > 0),
+    count(z) the times z was sampled so far in this completion (the prompt is not counted, as in vLLM).
+    Bias and penalties shape the logits before temperature, top-k and top-p; the recorded log-probs stay
+    log_softmax(raw logits / T) (`distribution_changes` says what the draw differed by).
+    """
 
     max_new_tokens: int = 50
     temperature: float = 0.7
@@ -57,6 +66,9 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()
     tool_call_stop: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = field(default=())
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -70,6 +82,12 @@ class SamplingConfig:
         self.stop = _as_strings("stop", self.stop)
         self.tool_call_stop = _as_strings("tool_call_stop", self.tool_call_stop)
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
+        self.logit_bias = _as_bias(self.logit_bias)
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2] (OpenAI's range; 0 disables), got {value!r}")
+            setattr(self, name, float(value))
 
     @property
     def greedy(self) -> bool:
@@ -88,6 +106,74 @@ class SamplingConfig:
     def truncates(self) -> bool:
         """Whether top-k / top-p cut the sampling distribution."""
         return bool(self.top_k) or (self.top_p is not None and self.top_p < 1)
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether frequency / presence penalties apply (they need the counts of the tokens sampled so far)."""
+        return self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    @property
+    def shifts_logits(self) -> bool:
+        """Whether logit_bias or a penalty moves the logits the draw is made from."""
+        return bool(self.logit_bias) or self.penalizes
+
+    def distribution_changes(self) -> dict | None:
+        """The settings, beyond temperature, that made the sampling distribution differ from
+        softmax(raw logits / T): what `ModelGenerate` records as `Message.sampling` (None: nothing did).
+
+        Keys (only those set): "top_k", "top_p", "logit_bias" ({str(id): bias}, as OpenAI sends it),
+        "frequency_penalty", "presence_penalty". Greedy decoding records the logit shifts only (the
+        argmax ignores top-k / top-p). JSON-ready: it is stored in rollout files as it is.
+        """
+        out: dict = {}
+        if not self.greedy:
+            if self.top_k:
+                out["top_k"] = int(self.top_k)
+            if self.top_p is not None and self.top_p < 1:
+                out["top_p"] = float(self.top_p)
+        if self.logit_bias:
+            out["logit_bias"] = {str(t): b for t, b in self.logit_bias}
+        if self.frequency_penalty:
+            out["frequency_penalty"] = self.frequency_penalty
+        if self.presence_penalty:
+            out["presence_penalty"] = self.presence_penalty
+        return out or None
+
+    def check_vocabulary(self, vocab_size: int | None) -> None:
+        """Raise a ValueError naming a logit_bias id the model does not score (ids in [0, vocab_size))."""
+        if vocab_size is None:
+            return
+        bad = [t for t, _ in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias names token id {bad[0]}, outside this model's vocabulary of {vocab_size} "
+                             f"ids [0, {vocab_size})")
+
+
+def _as_bias(value) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (id, bias) pairs: ids ints >= 0 (or their decimal strings), biases finite numbers
+    (zero biases dropped)."""
+    if value is None:
+        return ()
+    pairs = value.items() if isinstance(value, Mapping) else value
+    out: dict[int, float] = {}
+    try:
+        pairs = list(pairs)
+    except TypeError:
+        raise ValueError(f"logit_bias must be a dict of token id -> bias (or (id, bias) pairs), got {value!r}") from None
+    for pair in pairs:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias (or (id, bias) pairs), got {value!r}")
+        tok, bias = pair
+        if isinstance(tok, str) and tok.isascii() and tok.isdigit():
+            tok = int(tok)
+        if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {tok!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise ValueError(f"logit_bias[{tok}] must be a finite number, got {bias!r}")
+        if tok in out:
+            raise ValueError(f"logit_bias names token id {tok} twice")
+        out[tok] = float(bias)
+    return tuple(sorted((t, b) for t, b in out.items() if b != 0))  # a zero bias changes nothing
 
 
 def _as_strings(name: str, value) -> tuple[str, ...]:

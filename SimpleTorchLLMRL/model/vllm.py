@@ -11,9 +11,16 @@ top-k/top-p; "processed_logprobs" are taken after temperature *and* top-k/top-p
 (renormalized over the kept tokens). The quantity this library records is
 log_softmax(logits / T) before truncation, so:
 
-    temperature == 1                -> "raw_logprobs" is exact (any top-k/top-p)
-    no top-k/top-p truncation       -> "processed_logprobs" is exact (any temperature)
+    temperature == 1                -> "raw_logprobs" is exact (any top-k/top-p, bias, penalties)
+    no top-k/top-p truncation       -> "processed_logprobs" is exact (any temperature), unless
+                                       logit_bias or a penalty is set
     T != 1 together with top-k/top-p -> neither is; refused with a ValueError
+    logit_bias / frequency_penalty / presence_penalty (`SamplingParams` fields of the same names):
+        vLLM 0.32's sampler applies them to the float32 logits after taking "raw_logprobs" and before
+        temperature, top-k/top-p and "processed_logprobs" (v1/sample/sampler.py; the v2 GPU runner's
+        too), counting penalties over the completion's own tokens. So "raw_logprobs" stays exact with
+        them (at T == 1, or greedy); "processed_logprobs" would hold the biased, penalized
+        distribution, greedy decoding included: refused.
 
 Greedy decoding (`do_sample=False` or temperature 0) is sent as temperature 0;
 vLLM then reports log-probs of the untempered logits, recorded as temperature 1.
@@ -54,6 +61,10 @@ def logprobs_mode_problem(mode: str, cfg: SamplingConfig) -> str | None:
     """Why vLLM's `logprobs_mode` cannot give log_softmax(logits / T) before truncation; None if it can."""
     if mode not in LOGPROBS_MODES:
         return f"logprobs_mode={mode!r} returns logits, not log-probs; use one of {LOGPROBS_MODES}"
+    if mode == "processed_logprobs" and cfg.shifts_logits:
+        return ("logprobs_mode='processed_logprobs' reports log-probs after logit_bias / frequency_penalty / "
+                "presence_penalty, not of the raw logits; create the engine with vllm.LLM(..., "
+                "logprobs_mode='raw_logprobs') and sample at temperature=1 (or greedy), or drop them")
     if cfg.greedy:
         return None  # greedy: vLLM applies no temperature / truncation; recorded at T = 1
     if mode == "raw_logprobs" and cfg.temperature != 1:
@@ -89,6 +100,8 @@ class VLLMBackend:
         model_config = engine_model_config(llm)
         self.logprobs_mode = getattr(model_config, "logprobs_mode", "raw_logprobs")
         self.max_context = getattr(model_config, "max_model_len", None)
+        get_vocab = getattr(model_config, "get_vocab_size", None)
+        self.vocab_size = int(get_vocab()) if callable(get_vocab) else None  # ids logit_bias may name
         problem = logprobs_mode_problem(self.logprobs_mode, cfg)
         if problem:
             raise ValueError(problem)
@@ -123,6 +136,8 @@ class VLLMBackend:
             max_tokens=cfg.max_new_tokens, stop=list(cfg.all_stops) or None,
             stop_token_ids=list(cfg.eos_token_ids) or None, include_stop_str_in_output=True,
             logprobs=0, seed=seed, skip_special_tokens=True,
+            logit_bias=dict(cfg.logit_bias) or None, frequency_penalty=cfg.frequency_penalty,
+            presence_penalty=cfg.presence_penalty,
         )
 
     def _lora_for(self, adapter: str | None):
@@ -143,6 +158,7 @@ class VLLMBackend:
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         self.check_sampling(sampling)
+        sampling.check_vocabulary(self.vocab_size)
         # vLLM refuses n > 1 with greedy decoding: repeat the prompt instead.
         reps, per_request = (n, 1) if sampling.greedy else (1, n)
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(reps)]
