@@ -209,10 +209,18 @@ class Gateway:
 
     # ------------------------------------------------------------------ one call
 
-    async def _complete(self, name: str, req: ChatRequest, request) -> dict | None:
+    @staticmethod
+    def session_of(headers) -> tuple[str, bool]:
+        """(the session a request names, whether an X-Session-Id names it): `session_name` and its kind."""
+        return session_name(headers), bool(headers.get("x-session-id"))
+
+    async def _complete(self, name: str, req: ChatRequest, request, explicit: bool | None = None,
+                        on_record=None) -> dict | None:
         # an X-Session-Id session's calls run in order (each merges onto the previous, or forks);
-        # calls named by an API key only are matched to that key's open sessions by prefix, in parallel
-        explicit = bool(request.headers.get("x-session-id"))
+        # calls named by an API key only are matched to that key's open sessions by prefix, in parallel.
+        # explicit: whether `name` is such an id (default: the request's header says); on_record(session):
+        # called once the call is recorded in it (POST /v1/responses links its response id to it)
+        explicit = bool(request.headers.get("x-session-id")) if explicit is None else explicit
         lock = self._locks.setdefault(name, asyncio.Lock()) if explicit else contextlib.nullcontext()
         async with lock:
             self.store.expire()
@@ -231,6 +239,8 @@ class Gateway:
                     shown.append(shown_view(content, calls))
                     choices.append(await self._choice(i, msg, content, calls, prompt_ids, req))
                 self.store.record(session, plan, replies, shown)
+                if on_record is not None:
+                    on_record(session)
             finally:
                 self.store.release(session)
             self._write(plan.closed)
