@@ -2,6 +2,7 @@
 live gateway on 127.0.0.1, recording exactly what was sampled."""
 
 import asyncio
+import dataclasses
 import inspect
 import json
 
@@ -118,6 +119,44 @@ def test_a_tool_episode_through_the_openai_sdk_is_one_rollout_of_the_returned_id
     check_exact(rollout, responses, calc[1])
     assert [m for m in rollout if m.type is MessageType.TOOL][0].content == "31605"
     assert rollout.metadata["tools"] == [{"type": "function", "function": CALCULATOR_SCHEMA["function"]}]
+
+
+class _TextThenCall:
+    """The real generator, except that its first reply is text followed by a tool call, as encoded (the
+    embedded model, greedy, only writes bare calls); the recorded ids are that text's."""
+
+    TEXT = 'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "645 * 49"}}\n</tool_call>'
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def generate(self, rollouts, n=1, **kw):
+        out = self.inner.generate(rollouts, n, **kw)
+        self.calls += 1
+        if self.calls == 1:
+            ids = self.inner.tokenizer.encode(self.TEXT, add_special_tokens=False)
+            out = [[dataclasses.replace(m, content=self.TEXT, token_ids=ids, logprobs=[0.0] * len(ids),
+                                        finish_reason="tool_call") for m in row] for row in out]
+        return out
+
+
+def test_a_turn_of_text_and_a_call_replayed_as_two_items_merges(calc):
+    gw = make_gateway(calc)
+    gw.generator = gw.batcher.generator = _TextThenCall(gw.generator)
+    with gw.serve() as url:
+        client = openai.OpenAI(base_url=url, api_key="text-call")
+        first = client.responses.create(model="policy", input=QUESTION, tools=TOOLS, extra_body=TOKEN_IDS)
+        assert [o.type for o in first.output] == ["message", "function_call"]
+        assert first.output[0].content[0].text == "Let me compute."
+        items = [{"role": "user", "content": QUESTION}, *[o.model_dump(exclude_none=True) for o in first.output],
+                 *run_calls(first)]
+        second = client.responses.create(model="policy", input=items, tools=TOOLS, extra_body=TOKEN_IDS)
+    [rollout] = gw.rollouts("text-call")  # the two items are the one turn sampled
+    check_exact(rollout, [first, second], calc[1])
+    assert sampled(rollout)[0].content == _TextThenCall.TEXT
 
 
 def test_streaming_sends_the_responses_events_in_order(served, calc):
@@ -324,6 +363,17 @@ def test_bad_requests_get_openai_errors_naming_the_field(served, body, status, p
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
     assert "bad-1" not in gw.sessions()  # a refused request is not recorded
+
+
+def test_the_chat_paths_errors_name_the_responses_fields(served):
+    gw, url = served
+    ctx = gw.generator.max_context
+    too_long = {"input": [{"role": "user", "content": "hi"}, {"role": "user", "content": "x" * (ctx * 32 + 1)}]}
+    r = httpx.post(f"{url}/responses", json=too_long, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "input"  # the chat path says "messages"
+    r = httpx.post(f"{url}/responses", json={"input": "hi", "max_output_tokens": ctx}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"  # prompt + max_output_tokens > ctx
 
 
 def test_every_field_of_the_sdk_is_honoured_passed_or_refused():

@@ -146,7 +146,8 @@ def input_messages(value: Any) -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise bad(f"{where}.role must be user, system, developer or assistant, got {role!r}", f"{where}.role")
             if role == "assistant":
-                chat.append({"role": "assistant", "content": _text(item.get("content"), where, ("output_text",))})
+                chat.append({"role": "assistant", "content": _text(item.get("content"), where,
+                                                                   ("output_text", "input_text"))})
             else:
                 chat.append({"role": "system" if role == "developer" else role,
                              "content": _text(item.get("content"), where, ("input_text",))})
@@ -316,9 +317,9 @@ def response_object(rid: str, model: str, body: dict, payload: dict | None, mess
     out = {"id": rid, "object": "response", "created_at": created_at, "status": "in_progress", "error": None,
            "incomplete_details": None, "instructions": body.get("instructions"),
            "max_output_tokens": body.get("max_output_tokens"), "model": model, "output": [],
-           "parallel_tool_calls": body.get("parallel_tool_calls", True),
+           "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
            "previous_response_id": body.get("previous_response_id"), "reasoning": {"effort": None, "summary": None},
-           "store": body.get("store", True), "temperature": body.get("temperature"),
+           "store": body.get("store") is not False, "temperature": body.get("temperature"),
            "text": body.get("text") or {"format": {"type": "text"}}, "tool_choice": body.get("tool_choice") or "auto",
            "tools": body.get("tools") or [], "top_p": body.get("top_p"),
            "truncation": body.get("truncation") or "disabled", "usage": None, "user": body.get("user"),

@@ -68,24 +68,24 @@ def responses_routes(gateway, error):
             session, link = previous(gateway, body)
             history = link.conversation if link is not None else []
             chat, new = chat_body(body, history)
-            try:
-                req = parse_request(chat, gateway.model_name, gateway.defaults)
-                check_prompt_size(req, gateway.generator.max_context)
-            except RequestError as e:
-                raise as_responses_error(e) from e
             if session is not None:  # the link names the session: continue it there
                 name, explicit = session.name, session.explicit
             else:
                 name, explicit = gateway.session_of(request.headers)
             recorded = []
-            payload = await gateway._complete(name, req, request, explicit=explicit, on_record=recorded.append)
+            try:  # the chat path's checks and call; its 400s name the Responses fields
+                req = parse_request(chat, gateway.model_name, gateway.defaults)
+                check_prompt_size(req, gateway.generator.max_context)
+                payload = await gateway._complete(name, req, request, explicit=explicit, on_record=recorded.append)
+            except RequestError as e:
+                raise as_responses_error(e) from e
         except RequestError as e:
             return error(e)
         if payload is None:  # the client left before its answer was ready: nothing recorded
             return JSONResponse({}, status_code=499)
         rid, message_id, created = new_id("resp"), new_id("msg"), int(time.time())
         response = response_object(rid, gateway.model_name, body, payload, message_id, created_at=created)
-        if body.get("store", True) and recorded:
+        if body.get("store") is not False and recorded:
             conversation = [*history, *new, reply_message(payload["choices"][0])]
             gateway.store.link(rid, recorded[0], Link(conversation, response))
         if not body.get("stream"):
