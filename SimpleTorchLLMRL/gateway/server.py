@@ -7,7 +7,8 @@
     rollouts = gw.rollouts("episode-17")                     # list[Rollout], ready for GRPO
 
 Routes: POST /v1/chat/completions, GET /v1/models, GET /health; POST /v1/completions, GET /v1/models/{id}
-and OpenAI-shaped errors for everything else: `gateway.routes`. A session is named by the
+and OpenAI-shaped errors for everything else: `gateway.routes`; POST /v1/responses (the Responses API,
+translated onto the chat path): `gateway.responses_route`. A session is named by the
 `X-Session-Id` header, else by the API key (`Authorization: Bearer ...`). How calls of a
 session become rollouts: `gateway.sessions`. Wire format: `gateway.openai_format`.
 """
