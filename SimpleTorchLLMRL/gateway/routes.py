@@ -1,10 +1,10 @@
 """The gateway's routes besides chat, and every error in OpenAI's shape.
 
-    install(gateway, app, error)     # GET /v1/models/{id}, POST /v1/completions, OpenAI-shaped errors
+    install(gateway, app, error)     # GET /v1/models/{id}, POST /v1/completions, /v1/responses, OpenAI errors
     uvicorn.Config(app, http=http_protocol())    # uvicorn's own 400 (a malformed HTTP request) as JSON too
 
 Every answer that is not a success is `{"error": {"message", "type", "code", "param"}}` (OpenAI's
-shape): an unknown route (404, naming the method and path: `/v1/responses` included), a wrong method
+shape): an unknown route (404, naming the method and path), a wrong method
 (405, with `Allow`), FastAPI's request validation (400, not 422), and the bytes uvicorn writes itself
 when a request is not valid HTTP (400).
 """
@@ -15,7 +15,8 @@ import json
 
 from SimpleTorchLLMRL.gateway.openai_format import RequestError
 
-ROUTES = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{model}, GET /health"
+ROUTES = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/responses/{id}, "
+          "GET /v1/models, GET /v1/models/{model}, GET /health")
 # OpenAI's error `type` per status; any other 4xx is an invalid request, any 5xx a server error
 TYPES = {401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
          429: "rate_limit_error"}
@@ -36,6 +37,7 @@ def install(gateway, app, error) -> None:
     from starlette.exceptions import HTTPException
 
     from SimpleTorchLLMRL.gateway.completions import completions_route
+    from SimpleTorchLLMRL.gateway.responses_route import responses_routes
 
     @app.exception_handler(HTTPException)
     async def http_exception(request, exc: HTTPException):
@@ -70,6 +72,9 @@ def install(gateway, app, error) -> None:
         return model_object(gateway.model_name)
 
     app.post("/v1/completions")(completions_route(gateway, error))
+    create, retrieve = responses_routes(gateway, error)
+    app.post("/v1/responses")(create)
+    app.get("/v1/responses/{response_id}")(retrieve)
 
 
 # ----------------------------------------------------------------------------- uvicorn's own answers

@@ -7,7 +7,8 @@
     rollouts = gw.rollouts("episode-17")                     # list[Rollout], ready for GRPO
 
 Routes: POST /v1/chat/completions, GET /v1/models, GET /health; POST /v1/completions, GET /v1/models/{id}
-and OpenAI-shaped errors for everything else: `gateway.routes`. A session is named by the
+and OpenAI-shaped errors for everything else: `gateway.routes`; POST /v1/responses (the Responses API,
+translated onto the chat path): `gateway.responses_route`. A session is named by the
 `X-Session-Id` header, else by the API key (`Authorization: Bearer ...`). How calls of a
 session become rollouts: `gateway.sessions`. Wire format: `gateway.openai_format`.
 """
@@ -210,10 +211,18 @@ class Gateway:
 
     # ------------------------------------------------------------------ one call
 
-    async def _complete(self, name: str, req: ChatRequest, request) -> dict | None:
+    @staticmethod
+    def session_of(headers) -> tuple[str, bool]:
+        """(the session a request names, whether an X-Session-Id names it): `session_name` and its kind."""
+        return session_name(headers), bool(headers.get("x-session-id"))
+
+    async def _complete(self, name: str, req: ChatRequest, request, explicit: bool | None = None,
+                        on_record=None) -> dict | None:
         # an X-Session-Id session's calls run in order (each merges onto the previous, or forks);
-        # calls named by an API key only are matched to that key's open sessions by prefix, in parallel
-        explicit = bool(request.headers.get("x-session-id"))
+        # calls named by an API key only are matched to that key's open sessions by prefix, in parallel.
+        # explicit: whether `name` is such an id (default: the request's header says); on_record(session):
+        # called once the call is recorded in it (POST /v1/responses links its response id to it)
+        explicit = bool(request.headers.get("x-session-id")) if explicit is None else explicit
         lock = self._locks.setdefault(name, asyncio.Lock()) if explicit else contextlib.nullcontext()
         async with lock:
             self.store.expire()
@@ -232,6 +241,8 @@ class Gateway:
                     shown.append(shown_view(content, calls))
                     choices.append(await self._choice(i, msg, content, calls, prompt_ids, req))
                 self.store.record(session, plan, replies, shown)
+                if on_record is not None:
+                    on_record(session)
             finally:
                 self.store.release(session)
             self._write(plan.closed)

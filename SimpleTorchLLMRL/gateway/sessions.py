@@ -28,6 +28,11 @@ are one session each.
 A session idle (no call in flight) for longer than `ttl` seconds is *finished*: its open
 rollouts go to `on_finish` (the gateway's `record_to`) and it is dropped from memory. Past
 `max_sessions` open sessions, the least recently used ones are finished the same way.
+
+Links (`SessionStore.link` / `linked`): a key (a Responses API response id) names a value (that
+response's conversation) for as long as its session lives, so `previous_response_id` continues
+the session; the links of a finished session go with it, and a session keeps its last
+`MAX_LINKS` only.
 """
 
 from __future__ import annotations
@@ -39,9 +44,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from SimpleTorchLLMRL.chat.message import Message, Rollout
 from SimpleTorchLLMRL.gateway.openai_format import ChatRequest, to_message
+
+MAX_LINKS = 256  # links a session keeps (its latest responses); older ones are forgotten
 
 
 def view(turn: dict) -> tuple:
@@ -108,6 +116,7 @@ class Session:
     explicit: bool = False  # named by X-Session-Id (forks), else by API key (matched by prefix)
     busy: int = 0  # calls in flight: a busy session is never finished
     last_used: float = 0.0
+    links: list[str] = field(default_factory=list)  # keys linked to it (SessionStore.link), oldest first
 
     def plan(self, req: ChatRequest) -> Plan:
         """Merge onto the branch when the request extends it by one of its replies; fork otherwise."""
@@ -167,6 +176,7 @@ class SessionStore:
         self._sessions: OrderedDict[int, Session] = OrderedDict()  # least recently used first
         self._named: dict[str, int] = {}  # X-Session-Id -> its session
         self._index: dict[tuple, list[int]] = {}  # (name, options, prefix views, reply view) -> sessions
+        self._links: dict[str, tuple[int, Any]] = {}  # key -> (session, value), while the session lives
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.finished_sessions = 0  # how many were finished by the TTL or the cap (for tests and logs)
@@ -231,6 +241,26 @@ class SessionStore:
             if not session.busy and not session.calls:
                 self._drop(session)
 
+    def link(self, key: str, session: Session, value: Any) -> bool:
+        """Remember `value` under `key` for as long as `session` lives (its last MAX_LINKS keys only);
+        False when the session is already finished."""
+        with self._lock:
+            if self._sessions.get(session.id) is not session:
+                return False
+            self._links[key] = (session.id, value)
+            session.links.append(key)
+            for old in session.links[:-MAX_LINKS]:
+                self._links.pop(old, None)
+            del session.links[:-MAX_LINKS]
+            return True
+
+    def linked(self, key: str) -> tuple[Session, Any] | None:
+        """(session, value) linked to `key`, or None when unknown or its session was finished."""
+        with self._lock:
+            sid, value = self._links.get(key, (None, None))
+            s = self._sessions.get(sid) if sid is not None else None
+            return (s, value) if s is not None else None
+
     # -------------------------------------------------------------- finishing
 
     def expire(self) -> int:
@@ -281,6 +311,8 @@ class SessionStore:
 
     def _drop(self, s: Session) -> Session:
         self._unindex(s)
+        for key in s.links:
+            self._links.pop(key, None)
         self._sessions.pop(s.id, None)
         if self._named.get(s.name) == s.id:
             del self._named[s.name]
@@ -324,4 +356,5 @@ class SessionStore:
             self._sessions.clear()
             self._named.clear()
             self._index.clear()
+            self._links.clear()
             return out

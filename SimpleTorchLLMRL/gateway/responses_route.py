@@ -1,0 +1,110 @@
+"""POST /v1/responses and GET /v1/responses/{id}: the Responses API over the chat path.
+
+A request is translated to the Chat Completions request the chat route takes (`gateway.responses`)
+and answered by the same call (`Gateway._complete`): the same sessions and merge rule, recording,
+batching, limits and field checks. So the OpenAI Agents SDK, whose default model calls this route,
+runs with nothing but `base_url` set, and its episodes become rollouts with the exact sampled ids.
+
+`previous_response_id` is a session link: each stored response (`store` left out or true) names its
+session and conversation (the conversation without `instructions`, then the reply as the client
+was shown it), so a follow-up that sends only its new items continues that conversation, in that
+session, and merges into the same rollout. The links live in the `SessionStore`: they go when
+their session is finished (TTL, cap, `clear`), and a session keeps its latest `MAX_LINKS`. An
+unknown or finished id is a 400 naming `previous_response_id`. `GET /v1/responses/{id}` returns
+a linked response while its session lives, else a 404.
+"""
+
+
+import time
+from dataclasses import dataclass
+
+from SimpleTorchLLMRL.gateway.limits import check_prompt_size, parse_json, read_body
+from SimpleTorchLLMRL.gateway.openai_format import RequestError, bad, parse_request
+from SimpleTorchLLMRL.gateway.responses import (
+    as_responses_error,
+    chat_body,
+    new_id,
+    one_delta,
+    reply_message,
+    response_object,
+    sse_response,
+    stream_events,
+)
+
+
+@dataclass(frozen=True)
+class Link:
+    """What a response id names: its conversation (no instructions; its reply last) and the Response."""
+
+    conversation: list[dict]
+    response: dict
+
+
+def previous(gateway, body) -> tuple:
+    """(session, Link) of the request's previous_response_id ((None, None) when it has none); a 400 naming
+    it when unknown or finished."""
+    rid = body.get("previous_response_id") if isinstance(body, dict) else None
+    if rid is None:
+        return None, None
+    if not isinstance(rid, str):
+        raise bad("'previous_response_id' must be a string", "previous_response_id")
+    gateway.store.expire()
+    found = gateway.store.linked(rid)
+    if found is None:
+        raise bad(f"Previous response with id '{rid}' not found: it was never stored here (store: false), or its "
+                  "session was finished (session_ttl, max_sessions) or cleared", "previous_response_id",
+                  "previous_response_not_found")
+    return found
+
+
+def responses_routes(gateway, error):
+    """The FastAPI endpoints (create, retrieve) of the Responses API over `gateway` (a `Gateway`)."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
+    async def create(request: Request):
+        try:
+            body = parse_json(await read_body(request, gateway.max_body_bytes))
+            session, link = previous(gateway, body)
+            history = link.conversation if link is not None else []
+            chat, new = chat_body(body, history)
+            if session is not None:  # the link names the session: continue it there
+                name, explicit = session.name, session.explicit
+            else:
+                name, explicit = gateway.session_of(request.headers)
+            recorded = []
+            try:  # the chat path's checks and call; its 400s name the Responses fields
+                req = parse_request(chat, gateway.model_name, gateway.defaults)
+                check_prompt_size(req, gateway.generator.max_context)
+                payload = await gateway._complete(name, req, request, explicit=explicit, on_record=recorded.append)
+            except RequestError as e:
+                raise as_responses_error(e) from e
+        except RequestError as e:
+            return error(e)
+        if payload is None:  # the client left before its answer was ready: nothing recorded
+            return JSONResponse({}, status_code=499)
+        rid, message_id, created = new_id("resp"), new_id("msg"), int(time.time())
+        response = response_object(rid, gateway.model_name, body, payload, message_id, created_at=created)
+        if body.get("store") is not False and recorded:
+            conversation = [*history, *new, reply_message(payload["choices"][0])]
+            gateway.store.link(rid, recorded[0], Link(conversation, response))
+        if not body.get("stream"):
+            return JSONResponse(response)
+        start = response_object(rid, gateway.model_name, body, None, message_id, created_at=created)
+
+        async def finish() -> dict:
+            return response
+
+        text = "".join(item["content"][0]["text"] for item in response["output"] if item["type"] == "message")
+        return sse_response(stream_events(start, message_id, one_delta(text), finish))
+
+    async def retrieve(response_id: str):
+        gateway.store.expire()
+        found = gateway.store.linked(response_id)
+        if found is None:
+            return error(RequestError(404, f"No response found with id '{response_id}': responses are kept while "
+                                           "their session lives, and only when stored (store: true)",
+                                      code="response_not_found", param="response_id"))
+        return found[1].response
+
+    return create, retrieve
