@@ -47,7 +47,12 @@ class Backend(Protocol):
 
 @dataclass
 class SamplingConfig:
-    """What to sample and when to stop; validated on construction."""
+    """What to sample and when to stop; validated on construction.
+
+    grammar: text in xgrammar's EBNF dialect (start rule `root`) that every completion must match
+    (constrained decoding, `model/constrain.py`; None: unconstrained). Recorded log-probs stay those
+    of the raw logits / T, before the grammar's mask; the grammar is the one change to the sampling
+    distribution a call with it records (`grammar` itself)."""
 
     max_new_tokens: int = 50
     temperature: float = 0.7
@@ -57,6 +62,7 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()
     tool_call_stop: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = field(default=())
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -70,6 +76,12 @@ class SamplingConfig:
         self.stop = _as_strings("stop", self.stop)
         self.tool_call_stop = _as_strings("tool_call_stop", self.tool_call_stop)
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
+        if self.grammar is not None:
+            if not isinstance(self.grammar, str) or not self.grammar.strip():
+                raise ValueError(f"grammar must be None or EBNF text with a `root` rule, got {self.grammar!r:.80}")
+            from SimpleTorchLLMRL.model.constrain import check_grammar
+
+            check_grammar(self.grammar)
 
     @property
     def greedy(self) -> bool:
