@@ -140,3 +140,13 @@ def test_the_compiled_grammar_is_cached_per_tokenizer_and_vocab(calc):
     assert compiled_grammar(tok, 2304, ANSWER) is not None
     assert a.tokenizer_info.vocab_size == 2304
     assert compiled_grammar(tok, 2368, ANSWER).tokenizer_info.vocab_size == 2368  # a padded lm_head
+
+
+def test_eos_ids_past_the_logits_are_left_out_of_the_matchers(calc):
+    model, tok = calc
+    cfg = SamplingConfig(max_new_tokens=16, do_sample=False, grammar=ANSWER, eos_token_ids=(99999, tok.eos_token_id))
+    [[m]] = ModelGenerate(model, tok).generate(rollouts(1), sampling=cfg)
+    assert m.content.startswith("The answer is ") and m.token_ids[-1] == tok.eos_token_id
+    with pytest.raises(ValueError, match="needs an EOS id below the vocabulary size 2304"):
+        ModelGenerate(model, tok).generate(rollouts(1), sampling=SamplingConfig(grammar=ANSWER,
+                                                                                  eos_token_ids=(99999,)))

@@ -107,6 +107,9 @@ class RowMatchers:
     def _start(self, vocab_size: int) -> None:
         xgr = _xgrammar()
         compiled = compiled_grammar(self.tokenizer, vocab_size, self.grammar)
+        self.eos = tuple(t for t in self.eos if 0 <= t < vocab_size)  # ids past the logits are never sampled
+        if not self.eos:
+            raise ValueError(f"constrained decoding needs an EOS id below the vocabulary size {vocab_size}")
         self.matchers = [xgr.GrammarMatcher(compiled, override_stop_tokens=list(self.eos))
                          for _ in range(self.rows)]
         self.bitmask = xgr.allocate_token_bitmask(self.rows, vocab_size)
