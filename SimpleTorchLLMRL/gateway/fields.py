@@ -6,7 +6,12 @@ refused whenever it is set to anything but its default (null, or the value OpenA
 a field nobody knows is refused as OpenAI refuses it ("Unrecognized request argument").
 
     check_fields(body)               raises FieldError for an unknown or refused field
-    tool_choice_of(body, tools)      -> "auto" | "none" (raises FieldError for what is not enforced)
+    tool_choice_of(body, tools)      -> "auto" | "none" | "required" | "function" (raises FieldError)
+    tool_function_of(body)           the function a named tool_choice forces, else None
+    parallel_of(body)                parallel_tool_calls as a bool (default True)
+
+response_format, tool_choice "required" / a named function and parallel_tool_calls false are
+enforced by a grammar of the reply (`gateway.structured`).
 
 docs/gateway.md carries the same table for users.
 """
@@ -21,6 +26,7 @@ HONOURED = frozenset({
     "model", "messages", "tools", "tool_choice", "temperature", "top_p", "n", "max_tokens", "max_completion_tokens",
     "stop", "seed", "stream", "stream_options", "logprobs", "top_logprobs", "return_token_ids", "chat_template_kwargs",
     "logit_bias", "frequency_penalty", "presence_penalty",
+    "response_format", "parallel_tool_calls",
 })
 
 # accepted; they identify, tag or route a request at OpenAI and change nothing that is sampled here
@@ -37,12 +43,6 @@ def _unset(value: Any) -> bool:
 
 # field -> (is the value the default, i.e. a request that asks for nothing; why it is refused otherwise)
 REFUSED_UNLESS_DEFAULT: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "response_format": (lambda v: v is None or v == {"type": "text"},
-                        "response_format is not supported yet (no constrained decoding): only {\"type\": \"text\"} "
-                        "is accepted; json_object and json_schema are refused rather than answered unconstrained"),
-    "parallel_tool_calls": (lambda v: v is None or v is True,
-                            "parallel_tool_calls=false is not enforced: a reply may carry several tool calls; "
-                            "leave it unset or true"),
     "functions": (lambda v: v is None or v == [], "the legacy 'functions' field is not supported: use 'tools'"),
     "function_call": (_unset, "the legacy 'function_call' field is not supported: use 'tool_choice'"),
     "modalities": (lambda v: v is None or v == ["text"], "only text output is supported: modalities must be [\"text\"]"),
@@ -88,26 +88,45 @@ def check_fields(body: dict) -> None:
 
 
 def tool_choice_of(body: dict, tools: list[dict] | None) -> str:
-    """The request's tool_choice as the gateway applies it: "auto" (the default: tools offered, calls parsed)
-    or "none" (tools not offered to the template, no call parsed from the reply). "required" and a named
-    function are not enforced yet, so they are refused; a named function must be one of the tools."""
+    """The request's tool_choice: "auto" (the default: tools offered, calls parsed), "none" (tools not offered
+    to the template, no call parsed from the reply), "required" (one or more calls of the offered tools) or
+    "function" (calls of the one named, `tool_function_of`); the last two need tools, and a named function
+    must be one of them."""
     choice = body.get("tool_choice")
     if choice is None or choice in ("auto", "none"):
         return choice or "auto"
+    offered = [t["function"]["name"] for t in tools or []]
     if choice == "required":
-        raise _bad("tool_choice 'required' is not supported yet: the gateway cannot force a tool call; "
-                   "use 'auto' or 'none'", "tool_choice", "unsupported_value")
+        if not offered:
+            raise _bad("tool_choice 'required' needs 'tools' to call", "tool_choice", "invalid_value")
+        return "required"
     if isinstance(choice, dict) and choice.get("type") == "function":
-        fn = choice.get("function")
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(name, str):
-            raise _bad("tool_choice {\"type\": \"function\"} needs function.name", "tool_choice", "invalid_value")
-        offered = [t["function"]["name"] for t in tools or []]
+        name = tool_function_of(body)
         if name not in offered:
             raise _bad(f"tool_choice names the function {name!r}, which is not among the request's tools "
                        f"{offered}", "tool_choice", "invalid_value")
-        raise _bad(f"tool_choice naming a function ({name!r}) is not supported yet: the gateway cannot force a "
-                   "tool call; use 'auto' or 'none'", "tool_choice", "unsupported_value")
+        return "function"
     raise _bad(f"tool_choice must be 'none', 'auto', 'required' or {{\"type\": \"function\", \"function\": "
-               f"{{\"name\": ...}}}}; got {choice!r} (only 'auto' and 'none' are supported yet)", "tool_choice",
-               "invalid_value")
+               f"{{\"name\": ...}}}}; got {choice!r}", "tool_choice", "invalid_value")
+
+
+def tool_function_of(body: dict) -> str | None:
+    """The function name of a tool_choice {"type": "function", "function": {"name": N}}, else None."""
+    choice = body.get("tool_choice")
+    if not isinstance(choice, dict):
+        return None
+    fn = choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise _bad("tool_choice {\"type\": \"function\"} needs function.name", "tool_choice", "invalid_value")
+    return name
+
+
+def parallel_of(body: dict) -> bool:
+    """parallel_tool_calls: True (left out or null) lets a reply carry several calls; False at most one."""
+    value = body.get("parallel_tool_calls")
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise _bad(f"parallel_tool_calls must be true or false, got {value!r}", "parallel_tool_calls", "invalid_type")
+    return value

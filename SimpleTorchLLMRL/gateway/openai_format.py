@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
-from SimpleTorchLLMRL.gateway.fields import FieldError, check_fields, tool_choice_of
+from SimpleTorchLLMRL.gateway.fields import (
+    FieldError,
+    check_fields,
+    parallel_of,
+    tool_choice_of,
+    tool_function_of,
+)
+from SimpleTorchLLMRL.gateway.structured import reply_grammar
 from SimpleTorchLLMRL.model.sampling import SamplingConfig
 from SimpleTorchLLMRL.tools.parsers import JsonToolCallParser, parse_tool_calls
 
@@ -60,7 +67,8 @@ class ChatRequest:
     top_logprobs: int = 0
     return_token_ids: bool = False
     template_kwargs: dict = field(default_factory=dict)
-    tool_choice: str = "auto"  # "auto" or "none" (gateway.fields)
+    tool_choice: str = "auto"  # "auto", "none", "required" or "function" (gateway.fields)
+    tool_function: str | None = None  # the function a named tool_choice forces
 
 
 # ----------------------------------------------------------------------------- requests
@@ -205,11 +213,14 @@ def _tools(body: dict) -> list[dict] | None:
     return tools
 
 
-def parse_request(body: Any, model_name: str, defaults: SamplingConfig, vocab_size: int | None = None) -> ChatRequest:
+def parse_request(body: Any, model_name: str, defaults: SamplingConfig, vocab_size: int | None = None,
+                  tool_parsers: Sequence | None = None) -> ChatRequest:
     """Validate a /v1/chat/completions body. Options the request leaves out keep the generator's; a field
     the gateway does not honour is refused with a 400 naming it unless it asks for nothing (`gateway.fields`).
     tool_choice "none": the tools are neither offered to the template nor parsed from the reply.
-    vocab_size: the ids logit_bias may name (None: not checked here; the backend checks at generate)."""
+    vocab_size: the ids logit_bias may name (None: not checked here; the backend checks at generate).
+    response_format, tool_choice "required" / a named function and parallel_tool_calls false become the
+    call's grammar (`gateway.structured`; tool_parsers: the gateway's, the format a forced call is written in)."""
     check_body(body, model_name)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -219,6 +230,9 @@ def parse_request(body: Any, model_name: str, defaults: SamplingConfig, vocab_si
     try:  # every other field is honoured below, accepted as metadata, or refused here (gateway.fields)
         check_fields(body)
         tool_choice = tool_choice_of(body, tools)
+        tool_function = tool_function_of(body) if tool_choice == "function" else None
+        grammar = reply_grammar(body.get("response_format"), tools, tool_choice, tool_function, parallel_of(body),
+                                tool_parsers)
     except FieldError as e:
         raise bad(e.message, e.param, e.code) from e
     max_tokens = int_field(body, "max_completion_tokens", 1, None, None)
@@ -232,7 +246,8 @@ def parse_request(body: Any, model_name: str, defaults: SamplingConfig, vocab_si
             max_new_tokens=max_tokens, temperature=number_field(body, "temperature", 0, 2, defaults.temperature),
             do_sample=defaults.do_sample, top_p=number_field(body, "top_p", 0, 1, defaults.top_p) or None,
             top_k=defaults.top_k, stop=tuple(defaults.stop) + tuple([stop] if isinstance(stop, str) else stop or []),
-            tool_call_stop=defaults.tool_call_stop, eos_token_ids=defaults.eos_token_ids, **controls)
+            tool_call_stop=defaults.tool_call_stop, eos_token_ids=defaults.eos_token_ids,
+            grammar=grammar if grammar is not None else defaults.grammar, **controls)
     except ValueError as e:
         raise bad(str(e)) from e
     top = int_field(body, "top_logprobs", 0, 20, 0)
@@ -251,7 +266,7 @@ def parse_request(body: Any, model_name: str, defaults: SamplingConfig, vocab_si
                        include_usage=bool(stream_options.get("include_usage")),
                        logprobs=bool(body.get("logprobs")), top_logprobs=top,
                        return_token_ids=bool(body.get("return_token_ids")), template_kwargs=kwargs,
-                       tool_choice=tool_choice)
+                       tool_choice=tool_choice, tool_function=tool_function)
 
 
 def to_message(turn: dict) -> Message:

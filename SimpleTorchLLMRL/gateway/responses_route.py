@@ -74,7 +74,7 @@ def responses_routes(gateway, error):
                 name, explicit = gateway.session_of(request.headers)
             recorded = []
             try:  # the chat path's checks and call; its 400s name the Responses fields
-                req = parse_request(chat, gateway.model_name, gateway.defaults)
+                req = parse_request(chat, gateway.model_name, gateway.defaults, gateway.vocab_size, gateway.tool_parsers)
                 check_prompt_size(req, gateway.generator.max_context)
                 payload = await gateway._complete(name, req, request, explicit=explicit, on_record=recorded.append)
             except RequestError as e:

@@ -196,7 +196,7 @@ class Gateway:
         async def chat(request: fastapi.Request):
             try:
                 body = parse_json(await read_body(request, self.max_body_bytes))
-                req = parse_request(body, self.model_name, self.defaults, self.vocab_size)
+                req = parse_request(body, self.model_name, self.defaults, self.vocab_size, self.tool_parsers)
                 check_prompt_size(req, self.generator.max_context)
                 payload = await self._complete(session_name(request.headers), req, request)
             except RequestError as e:

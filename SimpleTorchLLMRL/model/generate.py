@@ -95,8 +95,9 @@ class ModelGenerate:
 
     model: an HF causal LM (peft models too), a `vllm.LLM`, or with `backend="vllm"` a model path.
     sampling: the sampling options as one `SamplingConfig` (max_new_tokens, temperature, do_sample,
-    top_p, top_k, stop, tool_call_stop, eos_token_ids; logit_bias, frequency_penalty and
-    presence_penalty only there); the others are also keyword arguments (give one or the other). stop: stop strings (kept in text and ids); tool_call_stop: stop strings that end the turn with
+    top_p, top_k, stop, tool_call_stop, eos_token_ids; logit_bias, frequency_penalty, presence_penalty
+    and grammar (EBNF every completion must match, `model/constrain.py`) only there); the others are also
+    keyword arguments (give one or the other). stop: stop strings (kept in text and ids); tool_call_stop: stop strings that end the turn with
     finish_reason "tool_call" (e.g. "</tool_call>"). eos_token_ids: ids that end a turn (default:
     tokenizer EOS + model generation-config EOS). seed: makes the sequence of calls reproducible.
     batch_size: HF backend only, at most this many sequences per `generate` call (None: all at
@@ -104,7 +105,8 @@ class ModelGenerate:
     after each optimizer step (the HF backend samples with the live model), `push_weights` bumps it.
     decode: HF backend only: "fast" (a static KV cache; on GPUs a compiled forward and the decode step
     as a CUDA graph; `fast_decode`), "default" (`model.generate`), "auto" (fast on CUDA where the
-    model allows, else default). Both give the same ids under the same seed.
+    model allows, else default). Both give the same ids under the same seed; a call with a grammar
+    always runs the default loop.
     """
 
     def __init__(self, model, tokenizer=None, max_new_tokens: int = 50, temperature: float = 0.7,

@@ -5,11 +5,14 @@ Legend: B batch (prompts x n samples), L longest prompt, N new tokens, V vocab.
 Two decode loops pick tokens with the same `TokenPicker`, so they sample the same ids under one seed:
 `model.generate` ("default") and the fast decode ("fast": a static KV cache, a compiled forward and
 the whole step as one CUDA graph; `fast_decode`), chosen by `decode=` ("auto": fast on CUDA where the
-model allows). Recorded log-probs are log_softmax(raw logits / T) of the chosen token, before any
-top-k / top-p truncation, and before logit_bias / frequency / presence penalties, which shift the
-logits the draw is made from (`picker.LogitShift`). Greedy takes the argmax. Sampling draws by inverse
-CDF, one uniform per row (`inverse_cdf_sample`), from softmax(logits / T) or from what the warpers
-(temperature, top-k, top-p: HF's, in HF's order) leave. HF's own sampling is `torch.multinomial`, an exponential race whose CPU
+model allows). A call with a grammar (`SamplingConfig.grammar`, `constrain`) always takes the default
+loop: its per-row matchers fill the token mask on the host at every step, which a CUDA graph cannot
+wait for. Recorded log-probs are log_softmax(raw logits / T) of the chosen token, before any
+top-k / top-p truncation, before logit_bias / frequency / presence penalties, which shift the
+logits the draw is made from (`picker.LogitShift`), and before a grammar's mask. Greedy takes the
+argmax. Sampling draws by inverse CDF, one uniform per row (`inverse_cdf_sample`), from
+softmax(logits / T) or from what the warpers (temperature, top-k, top-p: HF's, in HF's order)
+leave. HF's own sampling is `torch.multinomial`, an exponential race whose CPU
 RNG costs ~18 ns per vocabulary entry (187 ms per step at B=64, V=151,936); the (B, V) temporaries
 live in one buffer reused across steps. Under `generate` the picker is the only logits processor and
 returns scores whose argmax is its token (`generate` runs greedy). The model's own generation-config
@@ -35,15 +38,19 @@ from SimpleTorchLLMRL.model.shared_prefix import forward_last_logits, prefix_gro
 
 
 class _Picker:
-    """`generate`'s only logits processor: picks each row's token (`TokenPicker`), records its
-    log-prob, and returns scores whose argmax is that token (`generate` runs greedy)."""
+    """`generate`'s only logits processor: picks each row's token (`TokenPicker`; under a grammar from
+    the scores its mask leaves, `constrain.RowMatchers`), records its log-prob, and returns scores
+    whose argmax is that token (`generate` runs greedy)."""
 
-    def __init__(self, cfg: SamplingConfig):
-        self.picker = TokenPicker(cfg)
+    def __init__(self, cfg: SamplingConfig, matchers=None):
+        self.picker, self.matchers = TokenPicker(cfg), matchers
         self.logprobs: list[torch.Tensor] = []  # N x (B,)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        tok, logprob, mass = self.picker.pick(scores)
+        if self.matchers is not None:
+            tok, logprob, mass = self.matchers.pick(self.picker, scores)
+        else:
+            tok, logprob, mass = self.picker.pick(scores)
         if mass is not None:
             checked_mass(mass, True)
         self.logprobs.append(logprob)
@@ -161,7 +168,7 @@ class HFBackend:
             attention_mask[i, L - len(p):] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         with torch.inference_mode():
-            if self.uses_fast_decode(device):
+            if self.uses_fast_decode(device) and cfg.grammar is None:  # a grammar's mask needs the host per step
                 new, logps = self._fast_decode(input_ids, attention_mask, device, cfg, adapter)
             else:
                 new, logps = self._hf_generate(input_ids, attention_mask, cfg)
@@ -209,7 +216,12 @@ class HFBackend:
         from transformers import LogitsProcessorList, StoppingCriteriaList
 
         L = input_ids.shape[1]
-        picker = _Picker(cfg)
+        matchers = None
+        if cfg.grammar is not None:
+            from SimpleTorchLLMRL.model.constrain import RowMatchers
+
+            matchers = RowMatchers(self.tokenizer, cfg.grammar, input_ids.shape[0], cfg.eos_token_ids)
+        picker = _Picker(cfg, matchers)
         criteria = StoppingCriteriaList([_StopOnStrings(self.tokenizer, cfg.all_stops, L)] if cfg.all_stops else [])
         cache = self._shared_prefill(input_ids, attention_mask) if self.share_prefill else None
         seq = self.model.generate(  # greedy: sampling happens in our last processor

@@ -56,6 +56,9 @@ class SamplingConfig:
     count(z) the times z was sampled so far in this completion (the prompt is not counted, as in vLLM).
     Bias and penalties shape the logits before temperature, top-k and top-p; the recorded log-probs stay
     log_softmax(raw logits / T) (`distribution_changes` says what the draw differed by).
+    grammar: text in xgrammar's EBNF dialect (start rule `root`) that every completion must match
+    (constrained decoding, `model/constrain.py`; None: unconstrained). Recorded log-probs stay those
+    of the raw logits / T, before the grammar's mask; `distribution_changes` records the grammar.
     """
 
     max_new_tokens: int = 50
@@ -69,6 +72,7 @@ class SamplingConfig:
     logit_bias: tuple[tuple[int, float], ...] = ()
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -88,6 +92,12 @@ class SamplingConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
                 raise ValueError(f"{name} must be a number in [-2, 2] (OpenAI's range; 0 disables), got {value!r}")
             setattr(self, name, float(value))
+        if self.grammar is not None:
+            if not isinstance(self.grammar, str) or not self.grammar.strip():
+                raise ValueError(f"grammar must be None or EBNF text with a `root` rule, got {self.grammar!r:.80}")
+            from SimpleTorchLLMRL.model.constrain import check_grammar
+
+            check_grammar(self.grammar)
 
     @property
     def greedy(self) -> bool:
@@ -122,8 +132,9 @@ class SamplingConfig:
         softmax(raw logits / T): what `ModelGenerate` records as `Message.sampling` (None: nothing did).
 
         Keys (only those set): "top_k", "top_p", "logit_bias" ({str(id): bias}, as OpenAI sends it),
-        "frequency_penalty", "presence_penalty". Greedy decoding records the logit shifts only (the
-        argmax ignores top-k / top-p). JSON-ready: it is stored in rollout files as it is.
+        "frequency_penalty", "presence_penalty", "grammar" (the EBNF text the draw was masked to). Greedy
+        decoding records the logit shifts and the grammar only (the argmax ignores top-k / top-p).
+        JSON-ready: it is stored in rollout files as it is.
         """
         out: dict = {}
         if not self.greedy:
@@ -137,6 +148,8 @@ class SamplingConfig:
             out["frequency_penalty"] = self.frequency_penalty
         if self.presence_penalty:
             out["presence_penalty"] = self.presence_penalty
+        if self.grammar is not None:
+            out["grammar"] = self.grammar
         return out or None
 
     def check_vocabulary(self, vocab_size: int | None) -> None:

@@ -25,6 +25,13 @@ log_softmax(logits / T) before truncation, so:
 Greedy decoding (`do_sample=False` or temperature 0) is sent as temperature 0;
 vLLM then reports log-probs of the untempered logits, recorded as temperature 1.
 
+A grammar (`SamplingConfig.grammar`) goes to the engine's own structured outputs
+(`StructuredOutputsParams(grammar=...)`, xgrammar inside vLLM). vLLM masks the logits
+before its sampler computes log-probs, so the sampled tokens' log-probs come from a
+second, prefill-only pass over prompt + completion (`prompt_logprobs=0`), which vLLM
+computes from the raw logits: exact at temperature 1 (and greedy, recorded at 1); a
+grammar with another temperature is refused with a ValueError.
+
 Weight sync (`push_weights`) hands HF checkpoint names (built by
 `model/weight_sync.py`: peft prefixes stripped, LoRA deltas merged into new
 tensors, the training model never modified) to the workers' `reload_weights`
@@ -65,6 +72,10 @@ def logprobs_mode_problem(mode: str, cfg: SamplingConfig) -> str | None:
         return ("logprobs_mode='processed_logprobs' reports log-probs after logit_bias / frequency_penalty / "
                 "presence_penalty, not of the raw logits; create the engine with vllm.LLM(..., "
                 "logprobs_mode='raw_logprobs') and sample at temperature=1 (or greedy), or drop them")
+    if cfg.grammar is not None and not cfg.greedy and cfg.temperature != 1:
+        return (f"a grammar on the vLLM backend records log-probs at temperature 1 only (vLLM masks the logits before "
+                f"its log-probs; they are rescored from the raw logits), got temperature={cfg.temperature}; use "
+                "temperature 1 or greedy")
     if cfg.greedy:
         return None  # greedy: vLLM applies no temperature / truncation; recorded at T = 1
     if mode == "raw_logprobs" and cfg.temperature != 1:
@@ -130,6 +141,11 @@ class VLLMBackend:
         return 1.0 if sampling.greedy else float(sampling.temperature)
 
     def _sampling_params(self, cfg: SamplingConfig, n: int, seed: int | None):
+        extra = {}
+        if cfg.grammar is not None:  # the engine's own structured outputs (its xgrammar backend)
+            from vllm.sampling_params import StructuredOutputsParams
+
+            extra["structured_outputs"] = StructuredOutputsParams(grammar=cfg.grammar)
         return self.vllm.SamplingParams(
             n=n, temperature=0.0 if cfg.greedy else float(cfg.temperature),
             top_p=1.0 if cfg.top_p is None else float(cfg.top_p), top_k=int(cfg.top_k or 0),
@@ -137,7 +153,7 @@ class VLLMBackend:
             stop_token_ids=list(cfg.eos_token_ids) or None, include_stop_str_in_output=True,
             logprobs=0, seed=seed, skip_special_tokens=True,
             logit_bias=dict(cfg.logit_bias) or None, frequency_penalty=cfg.frequency_penalty,
-            presence_penalty=cfg.presence_penalty,
+            presence_penalty=cfg.presence_penalty, **extra,
         )
 
     def _lora_for(self, adapter: str | None):
@@ -174,7 +190,22 @@ class VLLMBackend:
             lora = self._lora_for(adapter)
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
         samples = [self._sample(c, sampling) for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+        if sampling.grammar is not None:
+            self._raw_logprobs([p for p in prompts for _ in range(n)], samples,
+                               lora if not isinstance(lora, list) else [x for x in lora for _ in range(per_request)])
         return [samples[i * n: (i + 1) * n] for i in range(len(prompts))]
+
+    def _raw_logprobs(self, prompts: list[list[int]], samples: list[Sample], lora) -> None:
+        """Replace each sample's log-probs (vLLM's, after the grammar's mask) with those of the raw logits: one
+        prefill of prompt + completion with `prompt_logprobs=0` (computed from the untempered logits)."""
+        from vllm.inputs import TokensPrompt
+
+        requests = [TokensPrompt(prompt_token_ids=list(p) + s.token_ids) for p, s in zip(prompts, samples, strict=True)]
+        params = self.vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
+        for p, s, out in zip(prompts, samples, outputs, strict=True):
+            rows = out.prompt_logprobs[len(p):]  # one {id: Logprob} per completion token
+            s.logprobs = [min(0.0, float(row[tok].logprob)) for row, tok in zip(rows, s.token_ids, strict=True)]
 
     def _sample(self, c, cfg: SamplingConfig) -> Sample:
         ids = [int(t) for t in c.token_ids]
