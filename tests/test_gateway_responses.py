@@ -340,7 +340,8 @@ BAD = [  # (body, status, param)
     ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools"),
     ({"input": "hi", "tools": [{"type": "function", "parameters": {}}]}, 400, "tools"),
     ({"input": "hi", "tool_choice": {"type": "file_search"}}, 400, "tool_choice"),
-    ({"input": "hi", "text": {"format": {"type": "json_object"}}}, 400, "text.format"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "bogus"}}}}, 400,
+     "text.format"),
     ({"input": "hi", "text": {"format": {"type": "xml"}}}, 400, "text.format"),
     ({"input": "hi", "reasoning": {"effort": "low"}}, 400, "reasoning"),
     ({"input": "hi", "truncation": "auto"}, 400, "truncation"),
@@ -354,6 +355,20 @@ BAD = [  # (body, status, param)
     ({"input": "hi", "top_k": 5}, 400, "top_k"),
     ({"input": "hi", "model": "gpt-4.1"}, 404, "model"),
 ]
+
+
+def test_text_format_json_schema_is_enforced(served):
+    """text.format maps onto the chat path's response_format: the reply is JSON of the schema."""
+    gw, url = served
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    body = {"input": "What is 2 + 2?", "temperature": 1.0,
+            "text": {"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}}}
+    r = httpx.post(f"{url}/responses", json=body, headers={"Authorization": "Bearer json-1"}, timeout=60)
+    assert r.status_code == 200, r.text
+    [item] = r.json()["output"]
+    value = json.loads(item["content"][0]["text"])
+    assert set(value) == {"answer"} and isinstance(value["answer"], int)
 
 
 @pytest.mark.parametrize("body,status,param", BAD, ids=[p for _, _, p in BAD])
