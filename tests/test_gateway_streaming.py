@@ -266,3 +266,22 @@ def test_the_stream_is_a_reusable_iterator_of_text_deltas(calc, env):
     deltas = [e.text for e in events if isinstance(e, TextDelta)]
     assert len(deltas) > 1 and "".join(deltas) == events[-1].replies[0].content
     assert model_turns(gw, "direct")[0].token_ids == events[-1].replies[0].token_ids
+
+
+def test_a_stream_over_the_vllm_backend_gets_the_whole_reply_at_its_end(monkeypatch, tmp_path):
+    """vLLM's `LLM.generate` runs to its end: its rows reach the watch once, and the stream still carries
+    exactly the recorded content (tests/fake_vllm.py on CPU)."""
+    from fake_vllm import install_fake_vllm
+
+    from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
+
+    vllm = install_fake_vllm(monkeypatch)
+    tok = tiny_tokenizer("chatml")
+    tiny_model("qwen2", tok).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    gw = Gateway(ModelGenerate(vllm.LLM(str(tmp_path), seed=0), tok, max_new_tokens=12, temperature=1.0, seed=0))
+    with gw.serve() as url:
+        r = httpx.post(f"{url}/chat/completions", json={"model": "policy", "messages": start(), "stream": True},
+                       headers={"Authorization": "Bearer v"}, timeout=120)
+    [turn] = model_turns(gw, "v")
+    assert r.status_code == 200 and content_of(sse_chunks(r.text.splitlines())) == turn.content
