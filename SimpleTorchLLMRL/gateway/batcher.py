@@ -177,4 +177,5 @@ def _watch(jobs: list[Job], n: int) -> DecodeWatch | None:
         for k, items in per_job.items():
             jobs[k].listener.push(items)
 
-    return DecodeWatch(on_tokens, lambda r: jobs[r // n].cancelled)
+    streams = any(j.listener is not None and j.listener.stream for j in jobs)
+    return DecodeWatch(on_tokens if streams else None, lambda r: jobs[r // n].cancelled)

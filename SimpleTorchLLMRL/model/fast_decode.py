@@ -41,7 +41,7 @@ from SimpleTorchLLMRL.model.picker import mass_error
 
 SLOT_ROUND = 64  # cache slots are rounded up to a multiple of this, so calls with similar lengths share a graph
 CHECK_EVERY = 16  # decode steps between checks for "every row has ended" (one host sync each)
-STREAM_EVERY = 4  # the same with a `DecodeWatch` (streaming, cancellation): new ids reach it this often
+STREAM_EVERY = 4  # the same while a `DecodeWatch` streams: new ids reach it this often
 DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (key, StaticDecoder)
 MAX_COMPILED_SHAPES = 4  # per model: each new (rows, slots) shape compiles once; later ones run graphs only
 _COMPILED_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(rows, slots)}
@@ -149,14 +149,14 @@ class StaticDecoder:
         """input_ids, attention_mask (B, L) left-padded -> ids (B, n), log-probs (B, n), n <= new_tokens.
 
         `row_stopped(ids of some rows so far)` says which of them a stop string ended (None: EOS only);
-        `watch` (a `model.watch.DecodeWatch`, or None): gets the new ids at each host check, every
-        STREAM_EVERY steps, and the rows it cancels count as ended. `use_picker` first."""
+        `watch` (a `model.watch.DecodeWatch`, or None): gets the new ids at each host check (every
+        STREAM_EVERY steps when it streams), and the rows it cancels count as ended. `use_picker` first."""
         B, L = input_ids.shape
         if L + new_tokens > self.S or B != self.B:
             raise ValueError(f"this decoder holds {self.B} rows x {self.S} slots, not {B} x {L} + {new_tokens}")
         self._prefill(input_ids, attention_mask)
         stopped, watched = [False] * B, _Watched(watch, B) if watch is not None else None
-        every = CHECK_EVERY if watch is None else STREAM_EVERY
+        every = STREAM_EVERY if watch is not None and watch.streams else CHECK_EVERY
         t = 0
         for t in range(new_tokens):
             self._advance(t)

@@ -31,6 +31,7 @@ class DecodeWatch:
 
     def __init__(self, on_tokens: TokensFn | None = None, cancelled: Callable[[int], bool] | None = None):
         self._on_tokens, self._cancelled = on_tokens, cancelled
+        self.streams = on_tokens is not None  # the fast decode checks more often for a watch that streams
         self._stopped_at: dict[int, int] = {}  # cancelled row -> ids it had sampled when the loop gave it up
 
     def tokens(self, rows: Sequence[int], ids: list[list[int]]) -> None:
@@ -56,7 +57,7 @@ class DecodeWatch:
 class _Selected(DecodeWatch):
     def __init__(self, parent: DecodeWatch, rows: list[int]):
         super().__init__()
-        self.parent, self.rows = parent, rows
+        self.parent, self.rows, self.streams = parent, rows, parent.streams
 
     def tokens(self, rows: Sequence[int], ids: list[list[int]]) -> None:
         self.parent.tokens([self.rows[r] for r in rows], ids)
