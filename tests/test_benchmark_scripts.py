@@ -75,3 +75,37 @@ def test_generation_benchmark_times_each_side_and_checks_fast_against_default(tm
     for mode in ("greedy", "sampled"):  # float32 on CPU: the same ids
         assert res["fast_vs_default"][mode]["rows_identical"] == 1.0
         assert res["fast_vs_default"][mode]["max_logprob_diff_before_divergence"] < 1e-5
+
+
+def _bench(script: str, *args) -> str:
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True,
+                       timeout=600, cwd=ROOT, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout
+
+
+def test_gateway_streaming_benchmark_reports_the_first_chunk_ratio():
+    import re
+
+    out = _bench("gateway_streaming.py", "--tokens", "24", "--repeats", "1")
+    ratios = re.findall(r"decode=(\w+) tokens=24: headers [\d.]+ s, first chunk [\d.]+ s, total [\d.]+ s, "
+                        r"first-chunk ratio ([\d.]+)%", out)
+    assert [d for d, _ in ratios] == ["default", "fast"], out
+    assert all(float(r) < 100 for _, r in ratios)
+
+
+def test_gateway_cancel_benchmark_reports_the_latency_ratio():
+    import re
+
+    out = _bench("gateway_cancel.py", "--long", "300", "--after", "0.3", "--repeats", "1")
+    m = re.search(r"\(([\d.]+)x, goal <= 2x\); the abandoned stream ran (\d+) of 300 steps", out)
+    assert m, out
+    assert int(m.group(2)) < 300  # it was cancelled before its end
+
+
+def test_gateway_race_benchmark_sees_no_leak():
+    out = _bench("gateway_race.py")
+    assert "no leak: the default request got the defaults" in out, out

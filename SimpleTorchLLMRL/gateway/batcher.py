@@ -1,45 +1,61 @@
 """Requests that arrive together are generated together.
 
-The first request waits `window` seconds for others (at most `max_batch` in all); the batch
-is split by sampling options (one `ModelGenerate.generate` call per distinct options, n and
-seed) and generated in one worker thread, one batch at a time, while the event loop keeps
-accepting requests. A call that fails is retried request by request, so one bad request
-fails alone.
+One batch generates at a time, in one worker thread, while the event loop keeps accepting requests. The
+window adapts: requests that arrive while a batch generates queue, and the next batch takes all of them at
+once; a request that finds the batcher idle waits until no other request has arrived for `window` seconds
+and none is still being prepared (parsed, encoded: `expect`), at most `max_wait` seconds and `max_batch`
+requests in all. So simultaneous sessions share one batch. The batch is split by sampling options (one
+`ModelGenerate.generate` call per distinct options, n and seed). A call that fails is retried request by
+request, so one bad request fails alone.
+
+Each job may carry a `Listener` (`gateway.streaming`): its rows' ids reach it as they are sampled (a stream),
+and once it is cancelled (its client hung up) its rows stop within a few decode steps and its result is
+dropped; the other rows of the batch sample exactly what they would have.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 from dataclasses import dataclass
 
 from SimpleTorchLLMRL.chat.message import Message, Rollout
 from SimpleTorchLLMRL.model.sampling import SamplingConfig
+from SimpleTorchLLMRL.model.watch import DecodeWatch
 
 
 @dataclass
 class Job:
-    rollout: Rollout | None
+    rollout: Rollout | None  # None: a raw prompt (/v1/completions), generated from `prompt_ids` as they are
     sampling: SamplingConfig
     n: int
     seed: int | None
-    prompt_ids: list[int] | None = None  # an encoded prompt (/v1/completions): generated from these ids as they are
+    prompt_ids: list[int] | None = None  # the prompt as encoded (a rollout's, by `encode_prompt`: encoded once)
+    listener: object | None = None  # a `streaming.Listener`: streamed ids and the cancel flag
+
+    @property
+    def cancelled(self) -> bool:
+        return self.listener is not None and self.listener.cancelled
 
     def key(self) -> str:
-        return json.dumps([dataclasses.asdict(self.sampling), self.n, self.seed, self.prompt_ids is not None],
+        return json.dumps([dataclasses.asdict(self.sampling), self.n, self.seed, self.rollout is None],
                           sort_keys=True, default=str)
 
 
 class Batcher:
-    def __init__(self, generator, window: float = 0.02, max_batch: int = 64):
+    def __init__(self, generator, window: float = 0.02, max_batch: int = 64, max_wait: float | None = None):
         self.generator, self.window, self.max_batch = generator, window, max_batch
+        self.max_wait = max(0.25, window) if max_wait is None else max_wait
         self._queue: asyncio.Queue | None = None
+        self._changed: asyncio.Event | None = None  # set on every arrival and every preparation that ends
         self._task: asyncio.Task | None = None
+        self.preparing = 0  # requests being parsed / encoded, about to be enqueued (`expect`)
         self.batches: list[int] = []  # requests per generated batch (for tests and logs)
 
     def start(self) -> None:
-        self._queue = asyncio.Queue()
+        self._queue, self._changed = asyncio.Queue(), asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
@@ -50,26 +66,59 @@ class Batcher:
             except asyncio.CancelledError:
                 pass
 
-    async def submit(self, job: Job) -> list[Message]:
-        """The job's n sampled MODEL messages (raises what generation raised for it)."""
+    @contextlib.contextmanager
+    def expect(self):
+        """Around a request's preparation (parsing, encoding) up to its `enqueue`: a batch being formed
+        waits for it (at most `max_wait`)."""
+        self.preparing += 1
+        try:
+            yield
+        finally:
+            self.preparing -= 1
+            if self._changed is not None:
+                self._changed.set()
+
+    def enqueue(self, job: Job) -> asyncio.Future:
+        """The future of the job's n sampled MODEL messages (it raises what generation raised for the job)."""
         future = asyncio.get_running_loop().create_future()
-        await self._queue.put((job, future))
-        return await future
+        self._queue.put_nowait((job, future))
+        self._changed.set()
+        return future
+
+    async def submit(self, job: Job) -> list[Message]:
+        """`enqueue`, then its result."""
+        return await self.enqueue(job)
+
+    async def _gather(self) -> list:
+        """The next batch: the first request, then what is queued, waiting while it may grow (module docstring)."""
+        loop = asyncio.get_running_loop()
+        batch = [await self._queue.get()]
+        idle = self._queue.empty()  # nothing queued behind it: it did not wait for a batch to end
+        start = last = loop.time()
+        while len(batch) < self.max_batch:
+            while not self._queue.empty() and len(batch) < self.max_batch:
+                batch.append(self._queue.get_nowait())
+                last = loop.time()
+            now = loop.time()
+            if len(batch) >= self.max_batch or now >= start + self.max_wait:
+                break
+            if self.preparing:
+                until = start + self.max_wait
+            elif idle and now < last + self.window:
+                until = min(last + self.window, start + self.max_wait)
+            else:
+                break
+            self._changed.clear()
+            if not self._queue.empty():
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), until - now)
+        return batch
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            batch = [await self._queue.get()]
-            deadline = loop.time() + self.window
-            while len(batch) < self.max_batch:
-                timeout = deadline - loop.time()
-                if timeout <= 0:
-                    break
-                try:
-                    batch.append(await asyncio.wait_for(self._queue.get(), timeout))
-                except TimeoutError:
-                    break
-            batch = [(job, fut) for job, fut in batch if not fut.cancelled()]
+            batch = await self._gather()
+            batch = [(job, fut) for job, fut in batch if not fut.cancelled() and not job.cancelled]
             if not batch:
                 continue
             self.batches.append(len(batch))
@@ -94,6 +143,8 @@ class Batcher:
                     out[i] = m
             except Exception:  # noqa: BLE001  (retried one by one: only the bad request fails)
                 for i in rows:
+                    if jobs[i].listener is not None:
+                        jobs[i].listener.reset()
                     try:
                         out[i] = self._call([jobs[i]])[0]
                     except Exception as e:  # noqa: BLE001  (returned to that request's handler)
@@ -101,9 +152,30 @@ class Batcher:
         return out
 
     def _call(self, jobs: list[Job]) -> list[list]:
-        """One generate call for jobs of the same key: rollouts through the chat template, or encoded ids."""
+        """One generate call for jobs of the same key: rollouts (with their encoded prompts when given), or ids."""
         first = jobs[0]
-        if first.prompt_ids is not None:
-            return self.generator.generate_from_ids([j.prompt_ids for j in jobs], first.n, sampling=first.sampling,
-                                                    seed=first.seed)
-        return self.generator.generate([j.rollout for j in jobs], first.n, sampling=first.sampling, seed=first.seed)
+        watch = _watch(jobs, first.n)
+        kw = {"sampling": first.sampling, "seed": first.seed, **({"watch": watch} if watch is not None else {})}
+        if first.rollout is None:
+            return self.generator.generate_from_ids([j.prompt_ids for j in jobs], first.n, **kw)
+        encoded = all(j.prompt_ids is not None for j in jobs)
+        return self.generator.generate([j.rollout for j in jobs], first.n,
+                                       prompt_ids=[j.prompt_ids for j in jobs] if encoded else None, **kw)
+
+
+def _watch(jobs: list[Job], n: int) -> DecodeWatch | None:
+    """The jobs' listeners as one `DecodeWatch` over the call's rows (row r: job r // n, its sample r % n)."""
+    if all(j.listener is None for j in jobs):
+        return None
+
+    def on_tokens(rows, ids) -> None:
+        per_job: dict[int, list] = {}
+        for r, new in zip(rows, ids, strict=True):
+            listener = jobs[r // n].listener
+            if listener is not None and listener.stream:
+                per_job.setdefault(r // n, []).append((r % n, new))
+        for k, items in per_job.items():
+            jobs[k].listener.push(items)
+
+    streams = any(j.listener is not None and j.listener.stream for j in jobs)
+    return DecodeWatch(on_tokens if streams else None, lambda r: jobs[r // n].cancelled)

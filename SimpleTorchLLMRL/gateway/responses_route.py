@@ -1,7 +1,7 @@
 """POST /v1/responses and GET /v1/responses/{id}: the Responses API over the chat path.
 
 A request is translated to the Chat Completions request the chat route takes (`gateway.responses`)
-and answered by the same call (`Gateway._complete`): the same sessions and merge rule, recording,
+and answered by the same call (`Gateway.reply_events`; a stream's text deltas as the rows sample): the same sessions and merge rule, recording,
 batching, limits and field checks. So the OpenAI Agents SDK, whose default model calls this route,
 runs with nothing but `base_url` set, and its episodes become rollouts with the exact sampled ids.
 
@@ -15,21 +15,23 @@ a linked response while its session lives, else a 404.
 """
 
 
+import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 
 from SimpleTorchLLMRL.gateway.limits import check_prompt_size, parse_json, read_body
-from SimpleTorchLLMRL.gateway.openai_format import RequestError, bad, parse_request
+from SimpleTorchLLMRL.gateway.openai_format import RequestError, bad, completion_payload, parse_request
 from SimpleTorchLLMRL.gateway.responses import (
     as_responses_error,
     chat_body,
     new_id,
-    one_delta,
     reply_message,
     response_object,
     sse_response,
     stream_events,
 )
+from SimpleTorchLLMRL.gateway.streaming import Finished, TextDelta, until_disconnect
 
 
 @dataclass(frozen=True)
@@ -74,29 +76,59 @@ def responses_routes(gateway, error):
                 name, explicit = gateway.session_of(request.headers)
             recorded = []
             try:  # the chat path's checks and call; its 400s name the Responses fields
-                req = parse_request(chat, gateway.model_name, gateway.defaults, gateway.vocab_size, gateway.tool_parsers)
+                req = parse_request(chat, gateway.model_name, gateway.defaults, gateway.vocab_size,
+                                    gateway.tool_parsers)
                 check_prompt_size(req, gateway.generator.max_context)
-                payload = await gateway._complete(name, req, request, explicit=explicit, on_record=recorded.append)
+                if body.get("stream"):
+                    req = dataclasses.replace(req, stream=True)  # deltas as the row samples
+                    events = gateway.reply_events(name, req, request, explicit=explicit, on_record=recorded.append)
+                    try:
+                        await anext(events)  # queued: what cannot be generated is a 4xx before any event
+                    except BaseException:
+                        await events.aclose()
+                        raise
+                else:
+                    payload = await until_disconnect(request, gateway._complete(
+                        name, req, request, explicit=explicit, on_record=recorded.append))
             except RequestError as e:
                 raise as_responses_error(e) from e
         except RequestError as e:
             return error(e)
-        if payload is None:  # the client left before its answer was ready: nothing recorded
+        if not body.get("stream") and payload is None:  # the client left: its rows stopped, nothing recorded
             return JSONResponse({}, status_code=499)
         rid, message_id, created = new_id("resp"), new_id("msg"), int(time.time())
-        response = response_object(rid, gateway.model_name, body, payload, message_id, created_at=created)
-        if body.get("store") is not False and recorded:
-            conversation = [*history, *new, reply_message(payload["choices"][0])]
-            gateway.store.link(rid, recorded[0], Link(conversation, response))
-        if not body.get("stream"):
-            return JSONResponse(response)
-        start = response_object(rid, gateway.model_name, body, None, message_id, created_at=created)
 
-        async def finish() -> dict:
+        def answer(payload: dict) -> dict:
+            """The Response of the finished call, linked to its session when stored."""
+            response = response_object(rid, gateway.model_name, body, payload, message_id, created_at=created)
+            if body.get("store") is not False and recorded:
+                conversation = [*history, *new, reply_message(payload["choices"][0])]
+                gateway.store.link(rid, recorded[0], Link(conversation, response))
             return response
 
-        text = "".join(item["content"][0]["text"] for item in response["output"] if item["type"] == "message")
-        return sse_response(stream_events(start, message_id, one_delta(text), finish))
+        if not body.get("stream"):
+            return JSONResponse(answer(payload))
+        start = response_object(rid, gateway.model_name, body, None, message_id, created_at=created)
+        finished: list[dict] = []
+
+        async def deltas():
+            """The reply's shown text as it is sampled (`Gateway.reply_events`), then the call's payload kept."""
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    yield event.text
+                elif isinstance(event, Finished):
+                    finished.append(completion_payload(new_id("chatcmpl"), gateway.model_name, event.choices,
+                                                       event.prompt_ids, req.return_token_ids))
+
+        async def finish() -> dict:
+            return answer(finished[0])
+
+        async def guarded():
+            async with contextlib.aclosing(events):  # a client that leaves cancels the call
+                async for e in stream_events(start, message_id, deltas(), finish):
+                    yield e
+
+        return sse_response(guarded())
 
     async def retrieve(response_id: str):
         gateway.store.expire()

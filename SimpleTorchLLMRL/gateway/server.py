@@ -20,7 +20,7 @@ import dataclasses
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 from SimpleTorchLLMRL.chat.message import Message, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
@@ -36,13 +36,27 @@ from SimpleTorchLLMRL.gateway.openai_format import (
     new_id,
     parse_request,
     reply_view,
-    sse_response,
-    stream_payloads,
     top_logprobs,
 )
 from SimpleTorchLLMRL.gateway.routes import http_protocol
 from SimpleTorchLLMRL.gateway.routes import install as install_routes
 from SimpleTorchLLMRL.gateway.sessions import SessionStore, shown_view
+from SimpleTorchLLMRL.gateway.streaming import (
+    DONE,
+    RESET,
+    Finished,
+    Listener,
+    RowText,
+    Started,
+    TextDelta,
+    chunk,
+    head_chunks,
+    next_ids,
+    sse_stream,
+    tail_chunks,
+    tool_openings,
+    until_disconnect,
+)
 
 ANONYMOUS = "default"
 
@@ -73,8 +87,9 @@ class Gateway:
     (temperature, top_p, max_tokens, stop; its stop strings and tool-call stops always apply), copied
     once here: each request's settings go to its own generate call and never into the defaults.
     model_name: the `model` clients ask for (others get 404). record_to: a .jsonl file that
-    receives every rollout once it is final (`RolloutWriter`). window / max_batch: requests
-    arriving within `window` seconds are generated as one batch of at most `max_batch`.
+    receives every rollout once it is final (`RolloutWriter`). window / max_batch: requests that
+    arrive while a batch generates form the next batch; one that finds the gateway idle waits for
+    others until none has come for `window` seconds (at most `max_batch` per batch; `gateway.batcher`).
     tool_parsers: how tool calls are read from sampled text (default: Hermes / Qwen `<tool_call>`
     JSON, `tools.parsers.JsonToolCallParser`). max_body_bytes: larger request bodies get 413, refused
     before they are read (`gateway.limits`). session_ttl: seconds a session may stay idle before it is
@@ -198,14 +213,15 @@ class Gateway:
                 body = parse_json(await read_body(request, self.max_body_bytes))
                 req = parse_request(body, self.model_name, self.defaults, self.vocab_size, self.tool_parsers)
                 check_prompt_size(req, self.generator.max_context)
-                payload = await self._complete(session_name(request.headers), req, request)
+                if req.stream:  # headers as soon as the call is queued; chunks as the rows sample
+                    return await self._stream(self.reply_events(session_name(request.headers), req, request), req,
+                                              lambda e: _as_request_error(e).body())
+                payload = await until_disconnect(request, self._complete(session_name(request.headers), req, request))
             except RequestError as e:
                 return error(e)
-            if payload is None:  # the client left before its answer was ready: nothing recorded
+            if payload is None:  # the client left before its answer was ready: its rows stopped, nothing recorded
                 return JSONResponse({}, status_code=499)
-            if not req.stream:
-                return JSONResponse(payload)
-            return sse_response(stream_payloads(payload, req.include_usage))
+            return JSONResponse(payload)
 
         return app
 
@@ -216,37 +232,114 @@ class Gateway:
         """(the session a request names, whether an X-Session-Id names it): `session_name` and its kind."""
         return session_name(headers), bool(headers.get("x-session-id"))
 
-    async def _complete(self, name: str, req: ChatRequest, request, explicit: bool | None = None,
-                        on_record=None) -> dict | None:
+    async def reply_events(self, name: str, req: ChatRequest, request=None, *, explicit: bool | None = None,
+                           on_record=None) -> AsyncIterator[Started | TextDelta | Finished]:
+        """One chat call of session `name` as it happens: `Started` (queued), `TextDelta`s (with `req.stream`,
+        as the rows sample; else the whole content at the end), then `Finished` once it is recorded.
+
+        The delta source of the chat route's stream (and of any other route that streams a reply). Closing
+        the iterator before `Finished` (the client left) cancels the call: its rows stop within a few decode
+        steps and nothing is recorded. Raises `RequestError` for a request that cannot be generated.
+        explicit: the session is named by X-Session-Id (default: read from `request`'s headers).
+        on_record(session): called once the call is recorded in it (POST /v1/responses links its response
+        id to it)."""
         # an X-Session-Id session's calls run in order (each merges onto the previous, or forks);
-        # calls named by an API key only are matched to that key's open sessions by prefix, in parallel.
-        # explicit: whether `name` is such an id (default: the request's header says); on_record(session):
-        # called once the call is recorded in it (POST /v1/responses links its response id to it)
-        explicit = bool(request.headers.get("x-session-id")) if explicit is None else explicit
+        # calls named by an API key only are matched to that key's open sessions by prefix, in parallel
+        if explicit is None:
+            explicit = request is not None and bool(request.headers.get("x-session-id"))
         lock = self._locks.setdefault(name, asyncio.Lock()) if explicit else contextlib.nullcontext()
         async with lock:
             self.store.expire()
             session, plan = self.store.open(name, req, explicit=explicit)
+            listener, future = Listener(asyncio.get_running_loop(), stream=req.stream), None
             try:
-                prompt_ids = await asyncio.to_thread(self._prompt_ids, plan.prompt, req)
+                with self.batcher.expect():  # a batch being formed waits for this call
+                    prompt_ids = await asyncio.to_thread(self._prompt_ids, plan.prompt, req)
+                    future = self.batcher.enqueue(Job(plan.prompt, req.sampling, req.n, req.seed, prompt_ids,
+                                                      listener))
+                future.add_done_callback(lambda _: listener.queue.put_nowait(DONE))
+                yield Started(prompt_ids)
+                rows = [self._row_text(req) for _ in range(req.n)]
+                while True:
+                    new, mark = await next_ids(listener.queue)
+                    for j, ids in sorted(new.items()):
+                        text = rows[j].feed(ids)
+                        if text:
+                            yield TextDelta(j, text)
+                    if mark is DONE:
+                        break
+                    if mark is RESET:  # a retry: the rows start over (what was shown stays shown)
+                        rows = [dataclasses.replace(self._row_text(req), sent=r.sent) for r in rows]
                 try:
-                    replies = await self.batcher.submit(Job(plan.prompt, req.sampling, req.n, req.seed))
+                    replies = future.result()
                 except ValueError as e:
                     raise bad(str(e)) from e
-                if await request.is_disconnected():
-                    return None
                 choices, shown = [], []
                 for i, msg in enumerate(replies):
                     content, calls = reply_view(msg.content, req.tools, self.tool_parsers)
                     shown.append(shown_view(content, calls))
                     choices.append(await self._choice(i, msg, content, calls, prompt_ids, req))
+                for i, row in enumerate(rows):
+                    rest = row.rest(choices[i]["message"]["content"])
+                    if rest:
+                        yield TextDelta(i, rest)
                 self.store.record(session, plan, replies, shown)
                 if on_record is not None:
                     on_record(session)
+            except BaseException:  # the client left (cancelled, closed) or the call failed: stop its rows
+                listener.cancel()
+                if future is not None:
+                    future.cancel()
+                raise
             finally:
                 self.store.release(session)
-            self._write(plan.closed)
-            return completion_payload(new_id(), self.model_name, choices, prompt_ids, req.return_token_ids)
+        self._write(plan.closed)
+        yield Finished(choices, replies, prompt_ids)
+
+    def _row_text(self, req: ChatRequest) -> RowText:
+        openings = tool_openings(self.tool_parsers) if req.tools else ()
+        return RowText(self.generator.tokenizer, req.sampling, openings)
+
+    async def _complete(self, name: str, req: ChatRequest, request, explicit: bool | None = None,
+                        on_record=None) -> dict:
+        """The `chat.completion` object of one call (`reply_events` run to its end)."""
+        events = self.reply_events(name, req, request, explicit=explicit, on_record=on_record)
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if isinstance(event, Finished):
+                    return completion_payload(new_id(), self.model_name, event.choices, event.prompt_ids,
+                                              req.return_token_ids)
+        raise RuntimeError("the call ended without a result")
+
+    async def _stream(self, events: AsyncIterator, req: ChatRequest, error_body):
+        """The call's `chat.completion.chunk` stream: a 4xx before anything was sent when the call cannot be
+        queued; then a role chunk per choice at once, content chunks as the rows sample, at the end each
+        choice's tool calls and finish_reason (and usage when asked). A client that hangs up cancels the call."""
+        try:
+            started = await anext(events)
+        except BaseException:
+            await events.aclose()
+            raise
+        base = {"id": new_id(), "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": self.model_name}
+
+        async def chunks():
+            async with contextlib.aclosing(events):
+                for c in head_chunks(base, req.n, started.prompt_ids if req.return_token_ids else None):
+                    yield c
+                async for event in events:
+                    if isinstance(event, TextDelta):
+                        yield chunk(base, event.index, {"content": event.text})
+                    elif isinstance(event, Finished):
+                        for choice in event.choices:
+                            for c in tail_chunks(base, choice, ""):
+                                yield c
+                        if req.include_usage:
+                            done = completion_payload(base["id"], self.model_name, event.choices, event.prompt_ids,
+                                                      False)
+                            yield {**base, "choices": [], "usage": done["usage"]}
+
+        return sse_stream(chunks(), error_body)
 
     async def _sweep(self) -> None:
         """Finish the sessions idle past the TTL while no calls come (calls also expire them)."""
@@ -285,3 +378,9 @@ class Gateway:
                 top = await asyncio.to_thread(top_logprobs, self.generator, prompt_ids, msg, req.top_logprobs)
             out["logprobs"] = logprobs_payload(self.generator.tokenizer, msg.token_ids, msg.logprobs, top)
         return out
+
+
+def _as_request_error(e: BaseException) -> RequestError:
+    if isinstance(e, RequestError):
+        return e
+    return RequestError(500, f"internal error: {type(e).__name__}: {e}", "server_error")

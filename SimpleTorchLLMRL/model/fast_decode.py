@@ -41,6 +41,7 @@ from SimpleTorchLLMRL.model.picker import mass_error
 
 SLOT_ROUND = 64  # cache slots are rounded up to a multiple of this, so calls with similar lengths share a graph
 CHECK_EVERY = 16  # decode steps between checks for "every row has ended" (one host sync each)
+STREAM_EVERY = 4  # the same while a `DecodeWatch` streams: new ids reach it this often
 DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (key, StaticDecoder)
 MAX_COMPILED_SHAPES = 4  # per model: each new (rows, slots) shape compiles once; later ones run graphs only
 _COMPILED_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(rows, slots)}
@@ -144,21 +145,23 @@ class StaticDecoder:
             self.eos = torch.tensor(eos_ids, dtype=torch.long, device=self.device)
 
     def decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int,
-               row_stopped: Callable[[list[list[int]]], list[bool]] | None):
+               row_stopped: Callable[[list[list[int]]], list[bool]] | None, watch=None):
         """input_ids, attention_mask (B, L) left-padded -> ids (B, n), log-probs (B, n), n <= new_tokens.
 
         `row_stopped(ids of some rows so far)` says which of them a stop string ended (None: EOS only);
-        `use_picker` first."""
+        `watch` (a `model.watch.DecodeWatch`, or None): gets the new ids at each host check (every
+        STREAM_EVERY steps when it streams), and the rows it cancels count as ended. `use_picker` first."""
         B, L = input_ids.shape
         if L + new_tokens > self.S or B != self.B:
             raise ValueError(f"this decoder holds {self.B} rows x {self.S} slots, not {B} x {L} + {new_tokens}")
         self._prefill(input_ids, attention_mask)
-        stopped = [False] * B
+        stopped, watched = [False] * B, _Watched(watch, B) if watch is not None else None
+        every = STREAM_EVERY if watch is not None and watch.streams else CHECK_EVERY
         t = 0
         for t in range(new_tokens):
             self._advance(t)
-            if (t + 1) % CHECK_EVERY == 0 or t + 1 == new_tokens:
-                if self._all_ended(t + 1, row_stopped, stopped):
+            if (t + 1) % every == 0 or t + 1 == new_tokens:
+                if self._all_ended(t + 1, row_stopped, stopped, watched):
                     break
         n = t + 1
         return self.ids[:, :n], self.logprobs[:, :n]
@@ -244,14 +247,35 @@ class StaticDecoder:
             return
         self.graph = graph
 
-    def _all_ended(self, n: int, row_stopped, stopped: list[bool]) -> bool:
+    def _all_ended(self, n: int, row_stopped, stopped: list[bool], watched: _Watched | None = None) -> bool:
         error = mass_error(self.bad)
         if error is not None:
             raise error
         ended = self.ended.tolist()
+        if watched is not None:
+            watched.check(self.ids, n, ended, stopped)
         if row_stopped is not None:
             live = [i for i in range(self.B) if not (ended[i] or stopped[i])]
             rows = self.ids[live, :n].tolist() if live else []
             for i, hit in zip(live, row_stopped(rows), strict=True):
                 stopped[i] = hit
         return all(e or s for e, s in zip(ended, stopped, strict=True))
+
+
+class _Watched:
+    """A `DecodeWatch` at the fast decode's host checks: the ids since the last check to the rows still going,
+    and the rows it cancels marked stopped."""
+
+    def __init__(self, watch, rows: int):
+        self.watch, self.sent, self.quiet = watch, 0, [False] * rows  # quiet: ended or stopped at an earlier check
+
+    def check(self, ids: torch.Tensor, n: int, ended: list[bool], stopped: list[bool]) -> None:
+        live = [i for i, q in enumerate(self.quiet) if not q]
+        if live:
+            self.watch.tokens(live, ids[live, self.sent:n].tolist())  # (len(live), n - sent)
+        for i in live:
+            if not (ended[i] or stopped[i]) and self.watch.is_cancelled(i):
+                stopped[i] = True
+                self.watch.give_up(i, n)
+            self.quiet[i] = ended[i] or stopped[i]
+        self.sent = n

@@ -30,6 +30,7 @@ import torch
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
 from SimpleTorchLLMRL.model.sampling import Sample, SamplingConfig, cut_sample, default_eos_ids  # noqa: F401 (Sample, cut_sample: older import path)
+from SimpleTorchLLMRL.model.watch import DecodeWatch
 from SimpleTorchLLMRL.utils.warn import warn_user
 
 BACKENDS = ("auto", "hf", "vllm")
@@ -199,7 +200,8 @@ class ModelGenerate:
     # -- generation
     def generate(self, rollouts: Sequence[Rollout], n: int = 1, *,
                  adapter: str | Sequence[str | None] | None = None, sampling: SamplingConfig | None = None,
-                 seed: int | None = None) -> list[list[Message]]:
+                 seed: int | None = None, prompt_ids: Sequence[Sequence[int]] | None = None,
+                 watch: DecodeWatch | None = None) -> list[list[Message]]:
         """`n` sampled MODEL messages per rollout, all prompts x n in one batch. Does not append.
 
         adapter: sample with this LoRA adapter of a multi-adapter peft model (HF) or with the
@@ -210,14 +212,21 @@ class ModelGenerate:
         generator's): an argument passed down to the backend, never stored, so `config` stays the
         defaults while the call runs and other threads reading it see the defaults.
         seed: this call's seed instead of the next one of the generator's sequence.
+        prompt_ids: the rollouts' prompts already encoded with `chat.tokenize.encode_prompt` (one list
+        per rollout; the gateway encodes each prompt once), sampled from as they are.
+        watch: a `DecodeWatch` that receives each row's ids as they are sampled (streaming) and may
+        cancel rows (row i * n + j is rollout i's j-th sample; `model/watch.py`).
         Calls are not reentrant: one generation at a time per generator.
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive int, got {n!r}")
-        return self._generate(rollouts, n, adapter, seed, self._call_config(sampling))
+        if prompt_ids is not None and len(prompt_ids) != len(rollouts):
+            raise ValueError(f"prompt_ids has {len(prompt_ids)} prompts for {len(rollouts)} rollouts; give one each")
+        return self._generate(rollouts, n, adapter, seed, self._call_config(sampling), prompt_ids, watch)
 
     def generate_from_ids(self, prompts: Sequence[Sequence[int]], n: int = 1, *,
-                          sampling: SamplingConfig | None = None, seed: int | None = None) -> list[list[Message]]:
+                          sampling: SamplingConfig | None = None, seed: int | None = None,
+                          watch: DecodeWatch | None = None) -> list[list[Message]]:
         """`generate` for prompts already encoded (e.g. raw text tokenized without a chat template, as
         the gateway's /v1/completions does): `n` MODEL messages per prompt, sampled from exactly these ids."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -227,7 +236,7 @@ class ModelGenerate:
             return []
         call = self._call_config(sampling)
         self._check_prompts(prompts, call.max_new_tokens)
-        return self._sample(prompts, n, None, [None] * len(prompts), seed, call)
+        return self._sample(prompts, n, None, [None] * len(prompts), seed, call, watch)
 
     def _call_config(self, sampling: SamplingConfig | None) -> SamplingConfig:
         """This call's settings: the defaults, or `sampling` with the defaults' EOS ids where it has none
@@ -242,37 +251,42 @@ class ModelGenerate:
             check(call)
         return call
 
-    def _generate(self, rollouts, n: int, adapter, seed: int | None,
-                  sampling: SamplingConfig) -> list[list[Message]]:
+    def _generate(self, rollouts, n: int, adapter, seed: int | None, sampling: SamplingConfig,
+                  prompt_ids=None, watch: DecodeWatch | None = None) -> list[list[Message]]:
         rollouts = list(rollouts)
         if not rollouts:
             return []
         for i, r in enumerate(rollouts):
             if not isinstance(r, Rollout):
                 raise TypeError(f"rollout {i} is a {type(r).__name__}, not a Rollout")
-        prompts = self.prompt_ids(rollouts)
+        if prompt_ids is None:
+            prompts = self.prompt_ids(rollouts)
+        else:
+            prompts = [[int(t) for t in p] for p in prompt_ids]
         self._check_prompts(prompts, sampling.max_new_tokens)
         adapters = _per_rollout(adapter, len(rollouts))
         if adapters is None:
-            return self._sample(prompts, n, None, [None] * len(prompts), seed, sampling)
+            return self._sample(prompts, n, None, [None] * len(prompts), seed, sampling, watch)
         if getattr(self.backend, "mixed_adapters", False):  # vLLM: one LoRARequest per prompt, one batch
-            return self._sample(prompts, n, adapters, adapters, seed, sampling)
+            return self._sample(prompts, n, adapters, adapters, seed, sampling, watch)
         out: list[list[Message] | None] = [None] * len(prompts)
         for name in dict.fromkeys(adapters):  # one batch per adapter
             rows = [i for i, a in enumerate(adapters) if a == name]
+            part = None if watch is None else watch.select([i * n + j for i in rows for j in range(n)])
             for i, msgs in zip(rows, self._sample([prompts[i] for i in rows], n, name, [name] * len(rows), seed,
-                                                  sampling), strict=True):
+                                                  sampling, part), strict=True):
                 out[i] = msgs
         return out
 
-    def _sample(self, prompts, n, adapter, recorded, seed: int | None,
-                sampling: SamplingConfig) -> list[list[Message]]:
+    def _sample(self, prompts, n, adapter, recorded, seed: int | None, sampling: SamplingConfig,
+                watch: DecodeWatch | None = None) -> list[list[Message]]:
         if seed is None and self._rng is not None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        extra = {} if watch is None else {"watch": watch}  # only passed when set (backends without it)
         if adapter is None:
-            samples = self.backend.generate(prompts, n, seed, sampling=sampling)  # len(prompts) lists of n Samples
+            samples = self.backend.generate(prompts, n, seed, sampling=sampling, **extra)  # len(prompts) x n Samples
         else:
-            samples = self.backend.generate(prompts, n, seed, sampling=sampling, adapter=adapter)
+            samples = self.backend.generate(prompts, n, seed, sampling=sampling, adapter=adapter, **extra)
         temperature = self.backend.logprob_temperature_for(sampling)
         changes = sampling.distribution_changes()  # what the draw differed by from softmax(logits / T)
         return [[self._message(s, temperature, a, changes) for s in group]

@@ -74,6 +74,25 @@ class _StopOnStrings:
         return torch.tensor(hits, dtype=torch.bool, device=input_ids.device)
 
 
+class _WatchSteps:
+    """Stopping criterion that hands each step's new ids to a `DecodeWatch` and ends the rows it cancels
+    (`generate` then pads them; the other rows' ids do not change)."""
+
+    def __init__(self, watch, prompt_len: int, rows: int):
+        self.watch, self.prompt_len, self.gone = watch, prompt_len, [False] * rows
+
+    def __call__(self, input_ids: torch.Tensor, scores=None, **kwargs) -> torch.Tensor:
+        t = input_ids.shape[1] - self.prompt_len  # ids sampled so far
+        last = input_ids[:, -1].tolist()  # (B,): generate syncs with the host every step anyway
+        live = [i for i, gone in enumerate(self.gone) if not gone]
+        self.watch.tokens(live, [[last[i]] for i in live])
+        for i in live:
+            if self.watch.is_cancelled(i):
+                self.gone[i] = True
+                self.watch.give_up(i, t)
+        return torch.tensor(self.gone, dtype=torch.bool, device=input_ids.device)
+
+
 DECODES = ("auto", "default", "fast")
 
 
@@ -117,9 +136,9 @@ class HFBackend:
         return int(ctx) if ctx else None
 
     def generate(self, prompts: list[list[int]], n: int, seed: int | None, *, sampling: SamplingConfig,
-                 adapter: str | None = None) -> list[list[Sample]]:
+                 adapter: str | None = None, watch=None) -> list[list[Sample]]:
         """`n` samples per prompt under `sampling` (this call's settings, never stored); `adapter`: with
-        that LoRA adapter of a multi-adapter peft model active."""
+        that LoRA adapter of a multi-adapter peft model active; `watch`: a `model.watch.DecodeWatch`."""
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         sampling.check_vocabulary(model_vocab_size(self.model))
@@ -143,7 +162,9 @@ class HFBackend:
                     torch.manual_seed(seed)
                 flat = []
                 for start in range(0, len(expanded), step):
-                    flat.extend(self._generate_batch(expanded[start: start + step], device, sampling, adapter))
+                    rows = expanded[start: start + step]
+                    part = None if watch is None else watch.select(range(start, start + len(rows)))
+                    flat.extend(self._generate_batch(rows, device, sampling, adapter, part))
         finally:
             self.model.train(was_training)
         return [flat[i * n: (i + 1) * n] for i in range(len(prompts))]
@@ -159,7 +180,7 @@ class HFBackend:
         return self.decode == "fast" or (self.decode == "auto" and device.type == "cuda" and self.fast_ok)
 
     def _generate_batch(self, prompts: list[list[int]], device, cfg: SamplingConfig,
-                        adapter: str | None = None) -> list[Sample]:
+                        adapter: str | None = None, watch=None) -> list[Sample]:
         B, L = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)  # (B, L) left-padded
         attention_mask = torch.zeros((B, L), dtype=torch.long)  # (B, L)
@@ -169,14 +190,19 @@ class HFBackend:
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         with torch.inference_mode():
             if self.uses_fast_decode(device) and cfg.grammar is None:  # a grammar's mask needs the host per step
-                new, logps = self._fast_decode(input_ids, attention_mask, device, cfg, adapter)
+                new, logps = self._fast_decode(input_ids, attention_mask, device, cfg, adapter, watch)
             else:
-                new, logps = self._hf_generate(input_ids, attention_mask, cfg)
+                new, logps = self._hf_generate(input_ids, attention_mask, cfg, watch)
         new_l, logps_l = new.tolist(), logps.tolist()
+        if watch is not None:  # a cancelled row keeps what it sampled before it was given up
+            for i in range(B):
+                at = watch.given_up_at(i)
+                if at is not None:
+                    new_l[i], logps_l[i] = new_l[i][:at], logps_l[i][:at]
         return [cut_sample(self.tokenizer, ids, lps, cfg) for ids, lps in zip(new_l, logps_l, strict=True)]
 
     def _fast_decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, device, cfg: SamplingConfig,
-                     adapter: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     adapter: str | None, watch=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, n) ids and log-probs from the static-cache decoder of this shape (built, or reused from an
         earlier call on this model: one per model, `fast_decode.DECODERS`)."""
         from SimpleTorchLLMRL.model.fast_decode import (
@@ -207,22 +233,23 @@ class HFBackend:
         def row_stopped(rows: list[list[int]]) -> list[bool]:
             return [find_stop(self.tokenizer, row, stops, window) is not None for row in rows]
 
-        return held[1].decode(input_ids, attention_mask, cfg.max_new_tokens,
-                                       row_stopped if stops else None)
+        return held[1].decode(input_ids, attention_mask, cfg.max_new_tokens, row_stopped if stops else None, watch)
 
     def _hf_generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+                     cfg: SamplingConfig, watch=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, N) ids and log-probs from `model.generate` (greedy over our picker's forced scores)."""
         from transformers import LogitsProcessorList, StoppingCriteriaList
 
-        L = input_ids.shape[1]
+        B, L = input_ids.shape
         matchers = None
         if cfg.grammar is not None:
             from SimpleTorchLLMRL.model.constrain import RowMatchers
 
-            matchers = RowMatchers(self.tokenizer, cfg.grammar, input_ids.shape[0], cfg.eos_token_ids)
+            matchers = RowMatchers(self.tokenizer, cfg.grammar, B, cfg.eos_token_ids)
         picker = _Picker(cfg, matchers)
         criteria = StoppingCriteriaList([_StopOnStrings(self.tokenizer, cfg.all_stops, L)] if cfg.all_stops else [])
+        if watch is not None:
+            criteria.append(_WatchSteps(watch, L, B))
         cache = self._shared_prefill(input_ids, attention_mask) if self.share_prefill else None
         seq = self.model.generate(  # greedy: sampling happens in our last processor
             input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,

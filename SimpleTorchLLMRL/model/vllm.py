@@ -165,10 +165,11 @@ class VLLMBackend:
         return self.lora_requests[adapter]
 
     def generate(self, prompts: list[list[int]], n: int, seed: int | None, *, sampling: SamplingConfig,
-                 adapter: str | list[str | None] | None = None) -> list[list[Sample]]:
+                 adapter: str | list[str | None] | None = None, watch=None) -> list[list[Sample]]:
         """`n` samples per prompt under `sampling` (this call's settings, never stored; refused when this
         engine's log-probs mode cannot record them); `adapter`: a pushed adapter's name, or one name (or
-        None) per prompt."""
+        None) per prompt. `watch` (a `model.watch.DecodeWatch`): `LLM.generate` runs to its end, so each
+        row's ids reach it once, when the call ends, and it cancels nothing (not token by token yet)."""
         from vllm.inputs import TokensPrompt
 
         if not isinstance(sampling, SamplingConfig):
@@ -193,6 +194,8 @@ class VLLMBackend:
         if sampling.grammar is not None:
             self._raw_logprobs([p for p in prompts for _ in range(n)], samples,
                                lora if not isinstance(lora, list) else [x for x in lora for _ in range(per_request)])
+        if watch is not None:
+            watch.tokens(range(len(samples)), [list(s.token_ids) for s in samples])
         return [samples[i * n: (i + 1) * n] for i in range(len(prompts))]
 
     def _raw_logprobs(self, prompts: list[list[int]], samples: list[Sample], lora) -> None:

@@ -1,0 +1,70 @@
+"""Time to the first streamed chunk against the whole reply, through the gateway on the embedded model.
+
+    uv run python benchmarks/gateway_streaming.py [--tokens 300] [--repeats 3] [--decode default fast]
+
+One streamed chat completion at a time (a raw HTTP client on 127.0.0.1) whose reply runs to --tokens
+tokens (no EOS id, no stop string can end it). Prints, per decode loop, the seconds to the response
+headers, to the first content chunk and to the end (median of --repeats), and the first-chunk ratio
+(first content chunk / total; the goal is at most 10%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import httpx
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from SimpleTorchLLMRL import ModelGenerate
+from SimpleTorchLLMRL.gateway import Gateway
+from SimpleTorchLLMRL.testing.tiny import TINY_CALC
+
+NEVER = 10**6  # an EOS id no step samples: every reply runs to max_tokens
+
+
+def one_stream(url: str, tokens: int, seed: int) -> dict:
+    body = {"model": "policy", "messages": [{"role": "user", "content": "Tell me a long story."}], "stream": True,
+            "max_tokens": tokens, "seed": seed}
+    t0 = time.perf_counter()
+    headers = first = None
+    chunks = 0
+    with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=600) as r:
+        headers = time.perf_counter() - t0
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            c = json.loads(line[6:])
+            if c["choices"] and c["choices"][0]["delta"].get("content"):
+                chunks += 1
+                if first is None:
+                    first = time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    return {"headers_s": headers, "first_chunk_s": first, "total_s": total, "content_chunks": chunks}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode", nargs="+", default=["default", "fast"], choices=["default", "fast"])
+    a = ap.parse_args()
+    model = AutoModelForCausalLM.from_pretrained(TINY_CALC).eval()
+    tok = AutoTokenizer.from_pretrained(TINY_CALC, padding_side="left")
+    for decode in a.decode:
+        gen = ModelGenerate(model, tok, max_new_tokens=a.tokens, temperature=1.0, seed=0, decode=decode,
+                            eos_token_ids=[NEVER])
+        with Gateway(gen).serve() as url:
+            one_stream(url, 8, 0)  # warm-up
+            runs = [one_stream(url, a.tokens, k) for k in range(a.repeats)]
+        med = {k: statistics.median(r[k] for r in runs) for k in ("headers_s", "first_chunk_s", "total_s")}
+        ratio = med["first_chunk_s"] / med["total_s"]
+        print(f"decode={decode} tokens={a.tokens}: headers {med['headers_s']:.3f} s, first chunk "
+              f"{med['first_chunk_s']:.3f} s, total {med['total_s']:.2f} s, first-chunk ratio {ratio:.1%} "
+              f"(goal <= 10%), content chunks {runs[-1]['content_chunks']}")
+
+
+if __name__ == "__main__":
+    main()
