@@ -54,10 +54,13 @@ from torch.utils.checkpoint import checkpoint
 
 from SimpleTorchLLMRL.model import head_triton
 from SimpleTorchLLMRL.model.shared_prefix import (
+    PrefixPlan,
+    causal_mask_4d,
     check_shared_prefix,
     first_positions,
     forward_last_logits,
     last_hidden,
+    plan_shared_prefix,
     shared_prefix_hidden_states,
 )
 from SimpleTorchLLMRL.utils.warn import warn_user
@@ -135,7 +138,8 @@ def logit_softcap(model) -> float | None:
 
 
 def final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                        verify: bool = True, start: torch.Tensor | None = None) -> torch.Tensor:
+                        verify: bool = True, start: torch.Tensor | None = None, *,
+                        prefix_plan: PrefixPlan | None = None, right_padded: bool = False) -> torch.Tensor:
     """(B, T, H) hidden states that the model's output embedding turns into logits.
 
     One forward through the whole model (so DDP / FSDP / peft hooks run) with
@@ -147,20 +151,41 @@ def final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Te
     start (B,) long, with a right-padded attention_mask: only positions >= start are
     needed, so rows with identical tokens before `start` run that prefix once
     (`shared_prefix`); positions before `start` are then 0. Checked once per model
-    against the plain forward.
+    against the plain forward. prefix_plan: `plan_shared_prefix(input_ids, attention_mask,
+    start)` found before the forward (else found here, which waits for the device).
+    right_padded: the batch is right-padded (a `Batch` is), so the plain forward takes a causal
+    mask that HF does not read for padding (`right_padded_attention`: no host sync).
     """
-    if start is not None and attention_mask is not None:
+    if prefix_plan is None and start is not None and attention_mask is not None:
+        prefix_plan = plan_shared_prefix(input_ids, attention_mask, start)
+    if prefix_plan is not None and prefix_plan.group is not None:
         if verify:
-            check_shared_prefix(model, input_ids, attention_mask, start)
-        shared = shared_prefix_hidden_states(model, input_ids, attention_mask, start)
+            check_shared_prefix(model, input_ids, attention_mask, prefix_plan.start)
+        shared = shared_prefix_hidden_states(model, input_ids, attention_mask, prefix_plan.start, plan=prefix_plan)
         if shared is not None:
             hidden, out = shared
             _maybe_verify_head(model, out, verify)  # against the suffix forward's own last position
             return hidden
-    out = forward_last_logits(model, input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+    mask = right_padded_attention(model, attention_mask) if right_padded else attention_mask
+    out = forward_last_logits(model, input_ids=input_ids, attention_mask=mask, output_hidden_states=True,
                               use_cache=False)
     _maybe_verify_head(model, out, verify)
     return last_hidden(out)
+
+
+def right_padded_attention(model, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """What to pass as `attention_mask` for a RIGHT-padded batch so that the forward never waits for the device.
+
+    Padding sits after every real token, so causality alone keeps it out of every real position
+    (padded positions get other hidden states, which nobody scores). HF reads a 2D mask for
+    padding, and without one the position ids for packing, with a host sync in each forward; a
+    4D mask it uses as given. So this is a (1, 1, T, T) causal mask (`shared_prefix.causal_mask_4d`)
+    where the model's attention takes one, else the 2D mask as it is.
+    """
+    if attention_mask is None or attention_mask.dim() != 2:
+        return attention_mask
+    causal = causal_mask_4d(_unwrap(model), attention_mask.new_ones(1, attention_mask.shape[1]))
+    return attention_mask if causal is None else causal
 
 
 def _maybe_verify_head(model, out, verify: bool) -> None:
@@ -192,7 +217,13 @@ def _head_logits(head: nn.Module, h: torch.Tensor, softcap: float | None) -> tor
 
 
 class _LinearChunks:
-    """A plain-Linear head scored chunk by chunk: logits in float32 / temperature, softmax stats, grads."""
+    """The "cpu" kernel: a plain-Linear head scored chunk by chunk, logits in float32 / temperature.
+
+    Every kernel answers three questions about a chunk of n tokens (hc (n, H), yc (n,)):
+    `score` (pass 1: log p(y), entropy, logsumexp), `grad_logits` (pass 2: dL/dz from the
+    per-token dL/dlogp and dL/dentropy, the logits recomputed) and `accumulate` (dL/dz into
+    the hidden-state, weight and bias gradients).
+    """
 
     def __init__(self, weight, bias, inv_temp: float, upcast: bool, need=(False, False, False), like=None):
         self.W = weight.float() if upcast else weight
@@ -200,18 +231,12 @@ class _LinearChunks:
         self.inv_temp = inv_temp
         self._z = self._scratch = None  # (n, V) logits buffer and (rows, V) scratch, reused across chunks
         need_h, need_w, need_b = need
-        self.grad_h = torch.zeros_like(like) if need_h else None  # (N, H)
+        self.grad_h = torch.empty_like(like) if need_h else None  # (N, H): every row is written once
         self.grad_w = torch.zeros(self.W.shape, dtype=torch.float32, device=self.W.device) if need_w else None
         self.grad_b = torch.zeros(self.W.shape[0], dtype=torch.float32, device=self.W.device) if need_b else None
 
-    def score(self, hc: torch.Tensor, yc: torch.Tensor, probs: bool, entropy: bool):
-        """hc (n, H), yc (n,) -> logp (n,), entropy (n,) | None, softmax p (n, V) | None.
-
-        The logits live in one (n, V) float32 buffer reused by every chunk of this
-        call; the row blocks leave exp(z - m) in it, so p is one multiply by 1 / S.
-        The row-wise sums use one (rows, V) scratch of <= SCRATCH_BYTES: fresh blocks
-        over 32 MiB are mmapped by glibc and page-faulted on every allocation.
-        """
+    def _logits(self, hc: torch.Tensor) -> torch.Tensor:
+        """(n, H) -> (n, V) float32 logits / temperature, in the buffer reused by every chunk of this call."""
         n, V = hc.shape[0], self.W.shape[0]
         if self._z is None or self._z.shape[0] < n:
             self._z = torch.empty((n, V), dtype=torch.float32, device=hc.device)
@@ -225,6 +250,17 @@ class _LinearChunks:
             torch.addmm(self.b, h, self.W.t(), out=z)
         if self.inv_temp != 1.0:
             z.mul_(self.inv_temp)
+        return z
+
+    def score(self, hc: torch.Tensor, yc: torch.Tensor, probs: bool, entropy: bool):
+        """hc (n, H), yc (n,) -> logp (n,), entropy (n,) | None, logsumexp (n,), softmax p (n, V) | None.
+
+        The row blocks leave exp(z - m) in the logits buffer, so p is one multiply by 1 / S.
+        The row-wise sums use one (rows, V) scratch of <= SCRATCH_BYTES: fresh blocks
+        over 32 MiB are mmapped by glibc and page-faulted on every allocation.
+        """
+        z = self._logits(hc)  # (n, V)
+        n, V = z.shape
         logit_y = z.gather(1, yc[:, None]).squeeze(1)  # (n,)
         m = z.amax(dim=-1)  # (n,)
         total = torch.empty_like(m)  # S = sum_v exp(z - m)
@@ -243,7 +279,16 @@ class _LinearChunks:
                 total[blk] = zb.sub_(m[blk, None]).exp_().sum(-1)
         lse = m + total.log()
         p = z.mul_(total.reciprocal()[:, None]) if probs else None  # e / S
-        return logit_y - lse, ent, p
+        return logit_y - lse, ent, lse, p
+
+    def grad_logits(self, hc, yc, lse, ent, c_lp, c_ent) -> torch.Tensor:
+        """Pass 2: dL/dz (n, V) of the chunk's raw logits, recomputed from hc and pass 1's lse / entropy (n,).
+
+        c_lp (n,) = dL/dlogp, c_ent (n,) | None = dL/dentropy. With p = softmax and
+        log p = z / T - lse: dL/dz = (c_lp (onehot(y) - p) - c_ent p (log p + H)) / T.
+        """
+        logsm = self._logits(hc).sub_(lse[:, None])  # (n, V) log-softmax, in the logits buffer
+        return _softmax_grad(logsm, yc, ent, c_lp, c_ent, self.inv_temp)
 
     def free_buffers(self) -> None:
         self._z = self._scratch = None
@@ -263,7 +308,7 @@ class _LinearChunks:
             self.grad_b += g.sum(0)
 
     def grads(self, weight, bias, scale=None):
-        """(grad_h, grad_w, grad_b) in the parameters' dtypes, optionally times a scalar."""
+        """(grad_h, grad_w, grad_b) in the parameters' dtypes, optionally times a scalar (a tensor: no sync)."""
         out = []
         for g, like in ((self.grad_h, None), (self.grad_w, weight), (self.grad_b, bias)):
             if g is not None and scale is not None:
@@ -272,12 +317,25 @@ class _LinearChunks:
         return tuple(out)
 
 
+def _softmax_grad(logsm: torch.Tensor, yc: torch.Tensor, ent: torch.Tensor | None, c_lp: torch.Tensor,
+                  c_ent: torch.Tensor | None, inv_temp: float) -> torch.Tensor:
+    """Consumes logsm (n, V) float32 log-softmax: dL/dz = (c_lp (onehot(y) - p) - c_ent p (log p + H)) / T."""
+    c = (c_lp * inv_temp)[:, None]  # (n, 1)
+    if c_ent is None:  # the usual case: 3 passes (exp, scale, scatter)
+        g = logsm.exp_().mul_(-c)
+    else:  # -p (c_lp + c_ent (log p + H)) / T
+        p = logsm.exp()
+        g = logsm.add_(ent[:, None]).mul_((c_ent * inv_temp)[:, None]).add_(c).mul_(p).neg_()
+    return g.scatter_add_(1, yc[:, None], c)
+
+
 class _DeviceChunks(_LinearChunks):
     """The "gpu" kernel: whole-chunk ops; matmuls in the head's dtype, accumulated and returned in float32.
 
-    Per chunk: one logits GEMM, logsumexp, one exp, one product-sum for the entropy, and in
-    backward two GEMMs (d hidden, d weight accumulated in place in float32). On CPU the
-    float32-output GEMM is not available and the logits are rounded to the head's dtype first.
+    Per chunk, pass 1: one logits GEMM, logsumexp, one exp, one product-sum for the entropy;
+    pass 2: the logits GEMM again, exp(z - lse), the gradient's scale and scatter, two GEMMs
+    (d hidden, d weight accumulated in place in float32). On CPU the float32-output GEMM is not
+    available and the logits are rounded to the head's dtype first.
     """
 
     def logits(self, hc: torch.Tensor) -> torch.Tensor:
@@ -287,16 +345,18 @@ class _DeviceChunks(_LinearChunks):
             z += self.b.float()
         return z
 
+    def _logits(self, hc: torch.Tensor) -> torch.Tensor:
+        z = self.logits(hc)
+        return z.mul_(self.inv_temp) if self.inv_temp != 1.0 else z
+
     def score(self, hc: torch.Tensor, yc: torch.Tensor, probs: bool, entropy: bool):
-        z = self.logits(hc)  # (n, V) float32
-        if self.inv_temp != 1.0:
-            z.mul_(self.inv_temp)
+        z = self._logits(hc)  # (n, V) float32
         logit_y = z.gather(1, yc[:, None]).squeeze(1)  # (n,)
         lse = torch.logsumexp(z, dim=-1)  # (n,)
         logsm = z.sub_(lse[:, None])  # (n, V) log-softmax, in place
         p = logsm.exp() if (probs or entropy) else None  # (n, V)
-        ent = -(p * logsm).sum(-1) if entropy else None  # (n,)
-        return logit_y - lse, ent, p
+        ent = -torch.linalg.vecdot(p, logsm) if entropy else None  # (n,)
+        return logit_y - lse, ent, lse, p
 
     def accumulate(self, g: torch.Tensor, hc: torch.Tensor, sl: slice) -> None:
         low = g.to(self.W.dtype)  # (n, V): the GEMMs run on tensor cores when the head is bf16 / fp16
@@ -323,13 +383,22 @@ class _TritonChunks(_DeviceChunks):
     def score(self, hc: torch.Tensor, yc: torch.Tensor, probs: bool, entropy: bool):
         z = self.logits(hc)  # (n, V) float32; row_stats applies the temperature
         logp, ent, lse = head_triton.row_stats(z, yc, self.inv_temp)
-        return logp, ent if entropy else None, (z, lse) if probs else None
+        return logp, ent if entropy else None, lse, (z, lse) if probs else None
+
+    def _grad_buffer(self, z: torch.Tensor) -> torch.Tensor:
+        if self._g is None or self._g.shape[0] < z.shape[0]:
+            self._g = torch.empty(z.shape, dtype=self.W.dtype, device=z.device)
+        return self._g[: z.shape[0]]
 
     def dlogp_dlogits(self, p, yc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         z, lse = p
-        if self._g is None or self._g.shape[0] < z.shape[0]:
-            self._g = torch.empty(z.shape, dtype=self.W.dtype, device=z.device)
-        return head_triton.row_grad(z, yc, lse, scale * self.inv_temp, self.inv_temp, out=self._g[: z.shape[0]])
+        return head_triton.row_grad(z, yc, lse, scale * self.inv_temp, self.inv_temp, out=self._grad_buffer(z))
+
+    def grad_logits(self, hc, yc, lse, ent, c_lp, c_ent) -> torch.Tensor:
+        z = self.logits(hc)  # (n, V) float32, temperature applied inside the kernel
+        ent, c_ent = (None, None) if c_ent is None else (ent, c_ent * self.inv_temp)
+        return head_triton.row_grad(z, yc, lse, c_lp * self.inv_temp, self.inv_temp, out=self._grad_buffer(z),
+                                    ent=ent, c_ent=c_ent)
 
     def free_buffers(self) -> None:
         super().free_buffers()
@@ -364,12 +433,18 @@ def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc.add_(torch.mm(a, b))
 
 
-def _kernel(impl: str, device: torch.device):
-    """The chunk kernel class of `head_impl` for tensors on `device`."""
+def resolve_head_impl(impl: str, device: torch.device) -> str:
+    """The chunk kernel that `head_impl` names for tensors on `device`: "cpu", "gpu" or "triton"."""
     if impl not in HEAD_IMPLS:
         raise ValueError(f"head_impl={impl!r} is invalid; expected one of {HEAD_IMPLS}")
     if impl == "auto":
-        impl = ("triton" if head_triton.available() else "gpu") if device.type == "cuda" else "cpu"
+        return ("triton" if head_triton.available() else "gpu") if device.type == "cuda" else "cpu"
+    return impl
+
+
+def _kernel(impl: str, device: torch.device):
+    """The chunk kernel class of `head_impl` for tensors on `device`."""
+    impl = resolve_head_impl(impl, device)
     if impl == "triton":
         head_triton.check_device(device)
     return {"cpu": _LinearChunks, "gpu": _DeviceChunks, "triton": _TritonChunks}[impl]
@@ -388,11 +463,18 @@ def _chunks(n: int, size: int):
     return [slice(s, s + size) for s in range(0, n, size)]
 
 
-class _LinearLogProb(torch.autograd.Function):
-    """logp, entropy of targets under softmax((h W^T + b) / temperature), chunk by chunk.
+class _TwoPassHead(torch.autograd.Function):
+    """logp, entropy of targets under softmax((h W^T + b) / temperature): two passes, one autograd node.
 
-    Backward recomputes one chunk of logits at a time. With `jacobian` (frozen
-    head) the forward stores d logp / d h (N, H) instead, so backward is a product.
+    Pass 1 (forward, no autograd): every chunk's logits -> log p(y), entropy and logsumexp,
+    (N,) float32 each; nothing of size V is kept. Whatever loss the caller builds on logp and
+    entropy runs once on those (N,) tensors with autograd and hands back dL/dlogp and
+    dL/dentropy per token. Pass 2 (backward) recomputes each chunk's logits and forms
+    dL/dz = dL/dlogp (onehot - p) - dL/dH p (log p + H) straight into the GEMMs for d hidden
+    and d weight (float32 accumulation). No loss closure and no autograd graph per chunk.
+
+    With `jacobian` (frozen head, hidden states need a gradient) pass 1 also stores
+    d logp / d h (N, H), so a backward that needs no entropy gradient is one product.
     """
 
     @staticmethod
@@ -401,32 +483,45 @@ class _LinearLogProb(torch.autograd.Function):
         kernel = _kernel(impl, h.device)
         chunk_size = _chunk_tokens(kernel, chunk_size, weight.shape[0])
         head = kernel(weight, bias, inv_temp, upcast, need=(jacobian, False, False), like=h.float())
-        N = h.shape[0]
-        logp = torch.empty(N, dtype=torch.float32, device=h.device)
-        ent = torch.empty(N, dtype=torch.float32, device=h.device)
-        for sl in _chunks(N, chunk_size):
+        logp, ent, lse = [], [], []
+        for sl in _chunks(h.shape[0], chunk_size):
             hc, yc = h[sl], y[sl]
-            logp[sl], ent[sl], p = head.score(hc, yc, probs=jacobian, entropy=True)
+            lp_c, ent_c, lse_c, p = head.score(hc, yc, probs=jacobian, entropy=True)
             if jacobian:
-                head.accumulate(head.dlogp_dlogits(p, yc, torch.ones_like(logp[sl])), hc, sl)
+                head.accumulate(head.dlogp_dlogits(p, yc, torch.ones_like(lp_c)), hc, sl)
             del p
-        ctx.save_for_backward(h, weight, bias, y, head.grad_h)
+            logp.append(lp_c), ent.append(ent_c), lse.append(lse_c)
+        logp, ent, lse = (_cat(t, h) for t in (logp, ent, lse))  # (N,) float32 each
+        head.free_buffers()
+        ctx.save_for_backward(h, weight, bias, y, lse, ent, head.grad_h)
         ctx.inv_temp, ctx.chunk_size, ctx.upcast, ctx.kernel = inv_temp, chunk_size, upcast, kernel
-        ctx.mark_non_differentiable(ent)
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not zeros
         return logp, ent
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_ent):
-        h, weight, bias, y, jac = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_ent):
+        h, weight, bias, y, lse, ent, jac = ctx.saved_tensors
         need = tuple(ctx.needs_input_grad[:3])
         nones = (None,) * 6
-        if jac is not None and not (need[1] or need[2]):
+        if grad_logp is None and grad_ent is None:
+            return None, None, None, *nones
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
+        if jac is not None and grad_ent is None and not (need[1] or need[2]):
             return (grad_logp[:, None] * jac).to(h.dtype), None, None, *nones
         head = ctx.kernel(weight, bias, ctx.inv_temp, ctx.upcast, need=need, like=h)
+        c_lp, c_ent = grad_logp.float(), None if grad_ent is None else grad_ent.float()
         for sl in _chunks(h.shape[0], ctx.chunk_size):
-            _, _, p = head.score(h[sl], y[sl], probs=True, entropy=False)
-            head.accumulate(head.dlogp_dlogits(p, y[sl], grad_logp[sl].float()), h[sl], sl)
+            g = head.grad_logits(h[sl], y[sl], lse[sl], ent[sl], c_lp[sl], None if c_ent is None else c_ent[sl])
+            head.accumulate(g, h[sl], sl)
         return *head.grads(weight, bias), None, *nones[:5]
+
+
+def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The (N,) per-token statistics of the chunks, one tensor (a chunk list of one is returned as it is)."""
+    if not parts:
+        return like.new_zeros(0, dtype=torch.float32)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class _FusedTokenLoss(torch.autograd.Function):
@@ -434,7 +529,8 @@ class _FusedTokenLoss(torch.autograd.Function):
 
     Possible because every input of the per-token loss except logp itself is a
     constant, so dL/dlogp is known as soon as a chunk's logp is: three matmuls
-    in all (like the naive path) and one chunk of logits in memory.
+    in all (like the naive path) and one chunk of logits in memory, but an
+    autograd graph of the loss per chunk (`fused=True`; the default is `_TwoPassHead`).
     """
 
     @staticmethod
@@ -442,31 +538,30 @@ class _FusedTokenLoss(torch.autograd.Function):
         kernel = _kernel(impl, h.device)
         chunk_size = _chunk_tokens(kernel, chunk_size, weight.shape[0])
         head = kernel(weight, bias, inv_temp, upcast, need=need, like=h)
-        N = h.shape[0]
-        logp = torch.empty(N, dtype=torch.float32, device=h.device)
-        ent = torch.empty(N, dtype=torch.float32, device=h.device)
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for sl in _chunks(N, chunk_size):
+        logp, ent, losses = [], [], []
+        for sl in _chunks(h.shape[0], chunk_size):
             hc, yc = h[sl], y[sl]
-            lp, ent[sl], p = head.score(hc, yc, probs=True, entropy=True)
-            logp[sl] = lp
+            lp, ent_c, _, p = head.score(hc, yc, probs=True, entropy=True)
             with torch.enable_grad():
                 leaf = lp.detach().requires_grad_()
                 loss = token_loss(leaf, sl).sum()
                 dl = torch.autograd.grad(loss, leaf)[0] if any(need) and loss.requires_grad else None
-            total += loss.detach().float()
+            losses.append(loss.detach().float())
             if dl is not None:
                 head.accumulate(head.dlogp_dlogits(p, yc, dl.float()), hc, sl)
             del p
+            logp.append(lp), ent.append(ent_c)
         head.free_buffers()  # only the gradients are kept for backward
         ctx.head = head
         ctx.params = (weight, bias)
+        logp, ent = _cat(logp, h), _cat(ent, h)
+        total = torch.stack(losses).sum() if losses else h.new_zeros((), dtype=torch.float32)
         ctx.mark_non_differentiable(logp, ent)
         return total, logp, ent
 
     @staticmethod
     def backward(ctx, grad_total, _grad_logp, _grad_ent):
-        grads = ctx.head.grads(*ctx.params, scale=None if float(grad_total) == 1.0 else grad_total)
+        grads = ctx.head.grads(*ctx.params, scale=grad_total)  # a tensor: no host sync to test it for 1.0
         del ctx.head
         return *grads, None, None, None, None, None, None, None
 
@@ -476,9 +571,8 @@ def _generic_chunk(head, softcap, inv_temp):
         z = _head_logits(head, hc, softcap) * inv_temp  # (n, V)
         lse = torch.logsumexp(z, dim=-1)
         logp = z.gather(1, yc[:, None]).squeeze(1) - lse
-        with torch.no_grad():
-            logsm = z - lse[:, None]
-            ent = -torch.bmm(logsm.exp().unsqueeze(1), logsm.unsqueeze(2)).view(-1)
+        logsm = z - lse[:, None]
+        ent = -torch.bmm(logsm.exp().unsqueeze(1), logsm.unsqueeze(2)).view(-1)
         return logp, ent
 
     return run
@@ -519,7 +613,7 @@ def logprobs_from_hidden(hidden: torch.Tensor, head: nn.Module, targets: torch.T
     if fused:
         frozen = not head.weight.requires_grad and not (head.bias is not None and head.bias.requires_grad)
         jacobian = grad and hidden.requires_grad and frozen
-        return _LinearLogProb.apply(hidden, head.weight, head.bias, targets, inv_temp, chunk_size, upcast, jacobian,
+        return _TwoPassHead.apply(hidden, head.weight, head.bias, targets, inv_temp, chunk_size, upcast, jacobian,
                                     head_impl)
     run = _generic_chunk(head, softcap, inv_temp)
     if chunk_size is None:
@@ -567,17 +661,33 @@ def scatter_positions(values: torch.Tensor, select: torch.Tensor) -> torch.Tenso
 
 def logprobs_at(hidden: torch.Tensor, model, input_ids: torch.Tensor, positions: torch.Tensor, *,
                 temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE, upcast: bool = False,
-                fused: bool | None = None, head_impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                fused: bool | None = None, head_impl: str = "auto",
+                index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) log-probs and entropy of input_ids from hidden (B, T, H), only where `positions` (B, T) is set.
 
-    Column 0 and unset positions are 0.
+    Column 0 and unset positions are 0. index: the (N,) long flat positions b * T + t that predict
+    the set positions (`trainer.batch.trained_index(positions)`), found before the forward: the
+    tokens are then gathered and scattered back without a host sync.
     """
+    head_opts = dict(temperature=temperature, chunk_size=chunk_size, softcap=logit_softcap(model), upcast=upcast,
+                     fused=fused, head_impl=head_impl)
+    if index is not None:
+        B, T = input_ids.shape
+        h = hidden.reshape(B * T, -1).index_select(0, index)  # (N, H)
+        y = input_ids.reshape(-1).index_select(0, index + 1)  # (N,)
+        lp, ent = logprobs_from_hidden(h, output_head(model), y, **head_opts)
+        return scatter_index(lp, index + 1, (B, T)), scatter_index(ent, index + 1, (B, T))
     select = positions[:, 1:].bool()  # (B, T-1): token t+1 ...
     h = hidden[:, :-1][select]  # (N, H) ... is predicted from position t
     y = input_ids[:, 1:][select]  # (N,)
-    lp, ent = logprobs_from_hidden(h, output_head(model), y, temperature=temperature, chunk_size=chunk_size,
-                                   softcap=logit_softcap(model), upcast=upcast, fused=fused, head_impl=head_impl)
+    lp, ent = logprobs_from_hidden(h, output_head(model), y, **head_opts)
     return scatter_positions(lp, select), scatter_positions(ent, select)
+
+
+def scatter_index(values: torch.Tensor, index: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """values (N,) put at the flat positions `index` (N,) of a (B, T) tensor of zeros (no host sync)."""
+    flat = torch.zeros(shape[0] * shape[1], dtype=values.dtype, device=values.device)
+    return flat.index_put((index,), values).view(shape)
 
 
 def token_logprobs(model, batch, temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE,
