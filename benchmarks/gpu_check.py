@@ -10,7 +10,10 @@ Parts, each in its own process (a crash or an out-of-memory in one is recorded, 
                  bf16, random init): ours, TRL + Liger, ours with Liger's body kernels, gradient
                  checkpointing off and on (plain TRL: `grpo_vs_trl.py --device cuda`)
                  (`grpo_vs_trl.spawn`: seconds per phase, peak CUDA memory)
-    profile      our loss + backward at that shape: seconds with each GPU head kernel ("gpu", "triton"), a
+    profile      our loss + backward at that shape (the two-pass head; every timed loss + backward on CUDA runs
+                 under torch.cuda.set_sync_debug_mode("error"), what it catches is reported, and a dispatch
+                 counter counts the ops that wait for the device, `host_syncs`, on any device):
+                 seconds with each GPU head kernel ("gpu", "triton"), a
                  torch.profiler table of the default one (top 15 kernels / ops by self CUDA time, self CPU and
                  CUDA totals), model-FLOPs utilization (MFU) against a bf16 matmul rate measured first
                  (`gpu_step.matmul_rate`, `gpu_step.forward_flops_per_token`), each kernel's log-probs and
