@@ -20,7 +20,7 @@ def naive_from_hidden(h, W, b, y, temperature):
 def small_scratch(monkeypatch, V, rows):
     """Row blocks of `rows` rows inside each chunk (the default scratch holds a whole small chunk)."""
     if rows:
-        monkeypatch.setattr("SimpleTorchLLMRL.model.logprobs.SCRATCH_BYTES", 4 * V * rows)
+        monkeypatch.setattr("SimpleTorchLLMRL.model.head_kernels.SCRATCH_BYTES", 4 * V * rows)
 
 
 # (head_impl, scratch rows of the cpu kernel); "triton" runs on CPU only in Triton's interpreter, i.e. when
