@@ -10,7 +10,10 @@ Parts, each in its own process (a crash or an out-of-memory in one is recorded, 
                  bf16, random init): ours, TRL + Liger, ours with Liger's body kernels, gradient
                  checkpointing off and on (plain TRL: `grpo_vs_trl.py --device cuda`)
                  (`grpo_vs_trl.spawn`: seconds per phase, peak CUDA memory)
-    profile      our loss + backward at that shape: seconds with each GPU head kernel ("gpu", "triton"), a
+    profile      our loss + backward at that shape (the two-pass head; every timed loss + backward on CUDA runs
+                 under torch.cuda.set_sync_debug_mode("error"), what it catches is reported, and a dispatch
+                 counter counts the ops that wait for the device, `host_syncs`, on any device):
+                 seconds with each GPU head kernel ("gpu", "triton"), a
                  torch.profiler table of the default one (top 15 kernels / ops by self CUDA time, self CPU and
                  CUDA totals), model-FLOPs utilization (MFU) against a bf16 matmul rate measured first
                  (`gpu_step.matmul_rate`, `gpu_step.forward_flops_per_token`), each kernel's log-probs and
@@ -132,14 +135,57 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+SYNC_ERRORS: list[str] = []  # host syncs that `torch.cuda.set_sync_debug_mode("error")` caught in loss + backward
+_WARM: set[int] = set()  # GRPO objects whose first loss + backward (the once-per-model checks) ran
+
+
 def _loss_backward(model, grpo, tb, device: str) -> float:
+    """Seconds of one loss + backward; on CUDA under `set_sync_debug_mode("error")`: a host sync between the
+    forward's start and the backward's end is recorded in SYNC_ERRORS (and the step rerun without the check)."""
+    import torch
+
     _sync(device)
     t0 = time.perf_counter()
-    grpo.calculate_loss(tb).backward()
+    if device == "cuda" and id(grpo) in _WARM:  # a model's first step runs its once-per-model checks (they sync)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            grpo.calculate_loss(tb).backward()
+        except RuntimeError as e:
+            SYNC_ERRORS.append(f"{e}"[-1000:])
+            torch.cuda.set_sync_debug_mode("default")
+            model.zero_grad(set_to_none=True)
+            grpo.calculate_loss(tb).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    else:
+        grpo.calculate_loss(tb).backward()
+        _WARM.add(id(grpo))
     _sync(device)
     seconds = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
     return seconds
+
+
+def host_syncs(model, grpo, tb) -> dict:
+    """Ops of one loss + backward that wait for the device, counted by a TorchDispatchMode (any device)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    waits = {"_local_scalar_dense", "item", "nonzero", "allclose", "equal", "is_nonzero", "masked_select"}
+
+    class Count(TorchDispatchMode):
+        ops, syncs = 0, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            if func.overloadpacket.__name__ in waits:
+                Count.syncs.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        grpo.calculate_loss(tb).backward()
+    model.zero_grad(set_to_none=True)
+    return {"ops": Count.ops, "syncs": len(Count.syncs), "sync_ops": sorted(set(Count.syncs)),
+            "cuda_sync_debug_errors": list(SYNC_ERRORS)}
 
 
 def _times(model, grpo, tb, device: str, n: int) -> list[float]:
@@ -172,6 +218,7 @@ def part_profile(device: str, smoke: bool) -> dict:
         grpo.compute_options.head_impl = impl
         by_impl[impl] = _times(model, grpo, tb, device, 3)
     grpo.compute_options.head_impl = impls[-1]  # the one "auto" takes on CUDA
+    syncs = host_syncs(model, grpo, tb)  # 0 expected (tests/test_host_syncs.py); CUDA also checks every timed step
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         _loss_backward(model, grpo, tb, device)
@@ -191,7 +238,7 @@ def part_profile(device: str, smoke: bool) -> dict:
     seconds = min(by_impl[impls[-1]][1:])
     out = {"device": device, "seq_shape": [B, T], "tokens_run": tokens_run, "head_impl": impls[-1],
            "loss_backward_s": by_impl[impls[-1]], "loss_backward_s_by_head_impl": by_impl,
-           "float32_output_gemm": L._F32_OUT["ok"], "numerics": numerics,
+           "float32_output_gemm": L._F32_OUT["ok"], "numerics": numerics, "host_syncs": syncs,
            "measured_bf16_matmul_tflops": peak / 1e12, "model_tflops": flops / 1e12,
            "mfu_loss_backward": flops / seconds / peak,
            "self_cpu_ms_total": sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3,
@@ -201,6 +248,7 @@ def part_profile(device: str, smoke: bool) -> dict:
     if device == "cuda":
         out["triton_chunk_bytes"] = _chunk_sweep(model, grpo, tb, device)
         out["liger_body"] = _with_liger_body(model, grpo, tb, device, flops, peak)
+        out["cuda_sync_debug_errors"] = list(SYNC_ERRORS)  # every timed loss + backward ran under "error"
     return out
 
 
@@ -297,7 +345,8 @@ def part_lora_memory(device: str, smoke: bool, lora: bool) -> dict:
            "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
            "adapter_dtypes": sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})}
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else _status_kb("VmHWM") * 1024
-    out.update(peak_mib=peak / 2**20, before_loss_mib=base / 2**20, loss_backward_extra_mib=(peak - base) / 2**20)
+    out.update(peak_mib=peak / 2**20, before_loss_mib=base / 2**20, loss_backward_extra_mib=(peak - base) / 2**20,
+               cuda_sync_debug_errors=list(SYNC_ERRORS))
     return out
 
 

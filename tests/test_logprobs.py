@@ -20,7 +20,7 @@ def naive_from_hidden(h, W, b, y, temperature):
 def small_scratch(monkeypatch, V, rows):
     """Row blocks of `rows` rows inside each chunk (the default scratch holds a whole small chunk)."""
     if rows:
-        monkeypatch.setattr("SimpleTorchLLMRL.model.logprobs.SCRATCH_BYTES", 4 * V * rows)
+        monkeypatch.setattr("SimpleTorchLLMRL.model.head_kernels.SCRATCH_BYTES", 4 * V * rows)
 
 
 # (head_impl, scratch rows of the cpu kernel); "triton" runs on CPU only in Triton's interpreter, i.e. when
@@ -29,11 +29,12 @@ TRITON = ["triton"] if head_triton.interpreting() else []
 KERNELS = [("cpu", None), ("cpu", 3), ("gpu", None)] + [(k, None) for k in TRITON]
 
 
+@pytest.mark.parametrize("entropy_grad", [True, False])
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("w_trainable", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("impl,scratch_rows", KERNELS)
-def test_from_hidden_matches_float64(fused, w_trainable, bias, impl, scratch_rows, monkeypatch):
+def test_from_hidden_matches_float64(fused, w_trainable, bias, impl, scratch_rows, entropy_grad, monkeypatch):
     torch.manual_seed(0)
     N, H, V, temp = 11, 16, 53, 0.7
     small_scratch(monkeypatch, V, scratch_rows)
@@ -41,17 +42,17 @@ def test_from_hidden_matches_float64(fused, w_trainable, bias, impl, scratch_row
     head.weight.requires_grad_(w_trainable)
     h = torch.randn(N, H, requires_grad=True)
     y = torch.randint(0, V, (N,))
-    g = torch.randn(N)  # arbitrary upstream gradient
+    g, g_ent = torch.randn(N), torch.randn(N) * entropy_grad  # arbitrary upstream gradients of logp and entropy
     lp, ent = logprobs_from_hidden(h, head, y, temperature=temp, chunk_size=4, fused=fused, head_impl=impl)
-    (lp * g).sum().backward()
+    loss = (lp * g + ent * g_ent).sum() if entropy_grad else (lp * g).sum()  # without: no entropy gradient
+    loss.backward()  # the two-pass head: dL/dlogp and dL/dentropy per token, one backward
     h_ref = h.detach().double().requires_grad_()
     W_ref = head.weight.detach().double().requires_grad_()
     b_ref = None if not bias else head.bias.detach().double().requires_grad_()
     lp_ref, ent_ref = naive_from_hidden(h_ref, W_ref, b_ref, y, temp)
-    (lp_ref * g.double()).sum().backward()
+    (lp_ref * g.double() + ent_ref * g_ent.double()).sum().backward()
     torch.testing.assert_close(lp.double(), lp_ref, rtol=0, atol=1e-5)
     torch.testing.assert_close(ent.double(), ent_ref, rtol=0, atol=1e-5)
-    assert not ent.requires_grad  # entropy is a detached diagnostic
     torch.testing.assert_close(h.grad.double(), h_ref.grad, rtol=1e-4, atol=1e-6)
     if w_trainable:
         torch.testing.assert_close(head.weight.grad.double(), W_ref.grad, rtol=1e-4, atol=1e-6)

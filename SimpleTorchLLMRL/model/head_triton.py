@@ -9,8 +9,9 @@ n x V x 4 bytes, each its own launch. These two kernels do the same work in two 
 
 - `row_stats`: one pass over each row of z (n, V) -> log p(y), entropy and logsumexp,
   with an online (running max) softmax in float32; temperature applied on the fly;
-- `row_grad`: one pass -> g = c * (onehot(y) - softmax(z)) (n, V), written straight in the
-  head's dtype (bf16 on GPUs) for the two gradient GEMMs, where c (n,) = dL/dlogp / T.
+- `row_grad`: one pass -> g = c (onehot(y) - p) - c_H p (log p + H) (n, V), p = softmax(z),
+  written straight in the head's dtype (bf16 on GPUs) for the two gradient GEMMs, where
+  c (n,) = dL/dlogp / T and c_H (n,) = dL/dentropy / T (the entropy term only when a loss uses it).
 
 On CUDA tensors they are compiled by `triton.jit`. On CPU tensors they run only in Triton's
 interpreter, i.e. in a process started with TRITON_INTERPRET=1 (read when Triton is first
@@ -74,16 +75,24 @@ if triton is not None:
         tl.store(ent_ptr + row, tl.log(s) - t / s)  # H = log S - E_p[x - m]
         tl.store(lse_ptr + row, lse)
 
-    def _row_grad(z_ptr, y_ptr, lse_ptr, c_ptr, g_ptr, V, z_stride, g_stride, inv_temp, BLOCK: tl.constexpr):
+    def _row_grad(z_ptr, y_ptr, lse_ptr, c_ptr, g_ptr, ent_ptr, ce_ptr, V, z_stride, g_stride, inv_temp,
+                  BLOCK: tl.constexpr, HAS_ENT: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         lse = tl.load(lse_ptr + row)
         c = tl.load(c_ptr + row)
         y = tl.load(y_ptr + row)
+        if HAS_ENT:
+            h = tl.load(ent_ptr + row)
+            ce = tl.load(ce_ptr + row)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < V
             x = tl.load(z_ptr + row * z_stride + cols, mask=mask, other=0.0).to(tl.float32) * inv_temp
-            g = tl.where(cols == y, c, 0.0) - c * tl.exp(x - lse)
+            p = tl.exp(x - lse)
+            if HAS_ENT:  # + dL/dH * dH/dz, dH/dz = -p (log p + H)
+                g = tl.where(cols == y, c, 0.0) - p * (c + ce * (x - lse + h))
+            else:
+                g = tl.where(cols == y, c, 0.0) - c * p
             tl.store(g_ptr + row * g_stride + cols, g.to(g_ptr.dtype.element_ty), mask=mask)
 
 
@@ -102,14 +111,14 @@ def check_device(device: torch.device) -> None:
                            "kernels run only in Triton's interpreter: TRITON_INTERPRET=1 before triton is imported)")
 
 
-def _launch(kernel, n: int, args, device: torch.device) -> None:
+def _launch(kernel, n: int, args, device: torch.device, **constants) -> None:
     check_device(device)
     fn = _kernels()[kernel]
     if device.type == "cuda":
         with torch.cuda.device(device):
-            fn[(n,)](*args, BLOCK=BLOCK, num_warps=NUM_WARPS)
+            fn[(n,)](*args, BLOCK=BLOCK, num_warps=NUM_WARPS, **constants)
     else:
-        fn[(n,)](*args, BLOCK=BLOCK)
+        fn[(n,)](*args, BLOCK=BLOCK, **constants)
 
 
 def row_stats(z: torch.Tensor, y: torch.Tensor, inv_temp: float):
@@ -127,15 +136,21 @@ def row_stats(z: torch.Tensor, y: torch.Tensor, inv_temp: float):
 
 
 def row_grad(z: torch.Tensor, y: torch.Tensor, lse: torch.Tensor, c: torch.Tensor, inv_temp: float,
-             out: torch.Tensor) -> torch.Tensor:
-    """out (n, V) := c[:, None] * (onehot(y) - softmax(z * inv_temp)), in out's dtype; returns out.
+             out: torch.Tensor, ent: torch.Tensor | None = None, c_ent: torch.Tensor | None = None) -> torch.Tensor:
+    """out (n, V) := c (onehot(y) - p) - c_ent p (log p + H), p = softmax(z * inv_temp), in out's dtype.
 
-    lse (n,) from `row_stats`, c (n,) float32.
+    lse (n,) and ent (n,) (H) from `row_stats`; c (n,) and c_ent (n,) float32 (the latter None:
+    no entropy term, and ent is not read). Returns out.
     """
     n, V = z.shape
     if out.shape != z.shape or out.stride(1) != 1:
         raise ValueError(f"row_grad writes a row-contiguous {tuple(z.shape)} tensor, got {tuple(out.shape)}")
+    if (ent is None) != (c_ent is None):
+        raise ValueError("row_grad takes the entropy H and its coefficient c_ent together, or neither")
+    has_ent = c_ent is not None
+    c = c.float().contiguous()
+    ent, c_ent = (ent.float().contiguous(), c_ent.float().contiguous()) if has_ent else (c, c)  # unread if not
     if n:
-        _launch(1, n, (z, y, lse, c.float().contiguous(), out, V, z.stride(0), out.stride(0), float(inv_temp)),
-                z.device)
+        _launch(1, n, (z, y, lse, c, out, ent, c_ent, V, z.stride(0), out.stride(0), float(inv_temp)), z.device,
+                HAS_ENT=has_ent)
     return out

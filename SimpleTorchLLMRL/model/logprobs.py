@@ -11,10 +11,13 @@ its final hidden states (`output_hidden_states=True, logits_to_keep=1`, so the
 model's own head only scores the last position), then the output embedding
 scores chunks of `chunk_size` positions at a time:
 
-- plain `nn.Linear` head: a custom autograd function keeps only the hidden
-  states; backward recomputes one chunk of logits at a time. When the head's
+- plain `nn.Linear` head: two passes around one autograd node (`head_kernels._TwoPassHead`).
+  Pass 1 keeps only per-token float32 statistics (log p(y), entropy, logsumexp); the
+  caller's loss runs once on the (N,) log-probs and entropy with autograd; pass 2
+  (backward) recomputes one chunk of logits at a time into dL/dz from dL/dlogp and
+  dL/dentropy and the gradient GEMMs. No autograd graph per chunk. When the head's
   weight is frozen (LoRA) the per-token Jacobian d logp / d h (N, H) is built
-  in the forward pass, so backward costs no extra matmul.
+  in pass 1, so a backward without an entropy gradient costs no extra matmul.
 - `fused_token_loss`: when the loss is a sum of per-token terms whose only
   variable is logp (GRPO at token level), the gradient is known as soon as a
   chunk is scored, so it is chained into the hidden-state / weight gradients
@@ -22,7 +25,7 @@ scores chunks of `chunk_size` positions at a time:
 - any other head (peft-wrapped, quantized, soft-capped logits): each chunk runs
   under `torch.utils.checkpoint`, so backward keeps one chunk's logits at a time.
 
-Three kernels score a chunk, chosen by one switch, `head_impl`:
+Three kernels (`head_kernels`) score a chunk, chosen by one switch, `head_impl`:
 
 - "cpu": row blocks inside a chunk whose float32 scratch stays under glibc's mmap
   threshold (fast on CPUs, where fresh large blocks are page-faulted on every use);
@@ -39,7 +42,7 @@ Three kernels score a chunk, chosen by one switch, `head_impl`:
 "cpu" otherwise. "gpu" runs on the CPU too, and "triton" does in Triton's interpreter
 (TRITON_INTERPRET=1), so the numerics of both are tested without a GPU.
 
-Entropy is a diagnostic: it is returned detached.
+The entropy has a gradient (an entropy term in a loss trains through it).
 """
 
 from __future__ import annotations
@@ -48,16 +51,27 @@ import weakref
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from SimpleTorchLLMRL.model import head_triton
+from SimpleTorchLLMRL.model.head_kernels import (  # noqa: F401  (the kernels' names stay importable from here)
+    _F32_OUT,
+    _chunks,
+    _DeviceChunks,
+    _FusedTokenLoss,
+    _LinearChunks,
+    _TritonChunks,
+    _TwoPassHead,
+)
 from SimpleTorchLLMRL.model.shared_prefix import (
+    PrefixPlan,
+    causal_mask_4d,
     check_shared_prefix,
     first_positions,
     forward_last_logits,
     last_hidden,
+    plan_shared_prefix,
     shared_prefix_hidden_states,
 )
 from SimpleTorchLLMRL.utils.warn import warn_user
@@ -70,7 +84,6 @@ CPU_CHUNK_SIZE = 512
 # one read-modify-write of the float32 weight gradient).
 GPU_CHUNK_BYTES = 512 * 2**20
 HEAD_IMPLS = ("auto", "cpu", "gpu", "triton")
-SCRATCH_BYTES = 16 * 2**20  # row blocks for the softmax sums inside a chunk stay under glibc's mmap threshold
 _VERIFIED: weakref.WeakSet = weakref.WeakSet()  # models whose head was checked once
 
 
@@ -135,7 +148,8 @@ def logit_softcap(model) -> float | None:
 
 
 def final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                        verify: bool = True, start: torch.Tensor | None = None) -> torch.Tensor:
+                        verify: bool = True, start: torch.Tensor | None = None, *,
+                        prefix_plan: PrefixPlan | None = None, right_padded: bool = False) -> torch.Tensor:
     """(B, T, H) hidden states that the model's output embedding turns into logits.
 
     One forward through the whole model (so DDP / FSDP / peft hooks run) with
@@ -147,20 +161,41 @@ def final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Te
     start (B,) long, with a right-padded attention_mask: only positions >= start are
     needed, so rows with identical tokens before `start` run that prefix once
     (`shared_prefix`); positions before `start` are then 0. Checked once per model
-    against the plain forward.
+    against the plain forward. prefix_plan: `plan_shared_prefix(input_ids, attention_mask,
+    start)` found before the forward (else found here, which waits for the device).
+    right_padded: the batch is right-padded (a `Batch` is), so the plain forward takes a causal
+    mask that HF does not read for padding (`right_padded_attention`: no host sync).
     """
-    if start is not None and attention_mask is not None:
+    if prefix_plan is None and start is not None and attention_mask is not None:
+        prefix_plan = plan_shared_prefix(input_ids, attention_mask, start)
+    if prefix_plan is not None and prefix_plan.group is not None:
         if verify:
-            check_shared_prefix(model, input_ids, attention_mask, start)
-        shared = shared_prefix_hidden_states(model, input_ids, attention_mask, start)
+            check_shared_prefix(model, input_ids, attention_mask, prefix_plan.start)
+        shared = shared_prefix_hidden_states(model, input_ids, attention_mask, prefix_plan.start, plan=prefix_plan)
         if shared is not None:
             hidden, out = shared
             _maybe_verify_head(model, out, verify)  # against the suffix forward's own last position
             return hidden
-    out = forward_last_logits(model, input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+    mask = right_padded_attention(model, attention_mask) if right_padded else attention_mask
+    out = forward_last_logits(model, input_ids=input_ids, attention_mask=mask, output_hidden_states=True,
                               use_cache=False)
     _maybe_verify_head(model, out, verify)
     return last_hidden(out)
+
+
+def right_padded_attention(model, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """What to pass as `attention_mask` for a RIGHT-padded batch so that the forward never waits for the device.
+
+    Padding sits after every real token, so causality alone keeps it out of every real position
+    (padded positions get other hidden states, which nobody scores). HF reads a 2D mask for
+    padding, and without one the position ids for packing, with a host sync in each forward; a
+    4D mask it uses as given. So this is a (1, 1, T, T) causal mask (`shared_prefix.causal_mask_4d`)
+    where the model's attention takes one, else the 2D mask as it is.
+    """
+    if attention_mask is None or attention_mask.dim() != 2:
+        return attention_mask
+    causal = causal_mask_4d(_unwrap(model), attention_mask.new_ones(1, attention_mask.shape[1]))
+    return attention_mask if causal is None else causal
 
 
 def _maybe_verify_head(model, out, verify: bool) -> None:
@@ -191,185 +226,18 @@ def _head_logits(head: nn.Module, h: torch.Tensor, softcap: float | None) -> tor
     return z
 
 
-class _LinearChunks:
-    """A plain-Linear head scored chunk by chunk: logits in float32 / temperature, softmax stats, grads."""
-
-    def __init__(self, weight, bias, inv_temp: float, upcast: bool, need=(False, False, False), like=None):
-        self.W = weight.float() if upcast else weight
-        self.b = None if bias is None else bias.to(self.W.dtype)
-        self.inv_temp = inv_temp
-        self._z = self._scratch = None  # (n, V) logits buffer and (rows, V) scratch, reused across chunks
-        need_h, need_w, need_b = need
-        self.grad_h = torch.zeros_like(like) if need_h else None  # (N, H)
-        self.grad_w = torch.zeros(self.W.shape, dtype=torch.float32, device=self.W.device) if need_w else None
-        self.grad_b = torch.zeros(self.W.shape[0], dtype=torch.float32, device=self.W.device) if need_b else None
-
-    def score(self, hc: torch.Tensor, yc: torch.Tensor, probs: bool, entropy: bool):
-        """hc (n, H), yc (n,) -> logp (n,), entropy (n,) | None, softmax p (n, V) | None.
-
-        The logits live in one (n, V) float32 buffer reused by every chunk of this
-        call; the row blocks leave exp(z - m) in it, so p is one multiply by 1 / S.
-        The row-wise sums use one (rows, V) scratch of <= SCRATCH_BYTES: fresh blocks
-        over 32 MiB are mmapped by glibc and page-faulted on every allocation.
-        """
-        n, V = hc.shape[0], self.W.shape[0]
-        if self._z is None or self._z.shape[0] < n:
-            self._z = torch.empty((n, V), dtype=torch.float32, device=hc.device)
-        z = self._z[:n]  # (n, V)
-        h = hc.to(self.W.dtype)
-        if self.W.dtype != torch.float32:
-            z.copy_(F.linear(h, self.W, self.b))
-        elif self.b is None:
-            torch.mm(h, self.W.t(), out=z)
-        else:
-            torch.addmm(self.b, h, self.W.t(), out=z)
-        if self.inv_temp != 1.0:
-            z.mul_(self.inv_temp)
-        logit_y = z.gather(1, yc[:, None]).squeeze(1)  # (n,)
-        m = z.amax(dim=-1)  # (n,)
-        total = torch.empty_like(m)  # S = sum_v exp(z - m)
-        ent = torch.empty_like(m) if entropy else None
-        rows = max(1, SCRATCH_BYTES // (4 * V))
-        if entropy and (self._scratch is None or self._scratch.shape[0] < min(rows, n)):
-            self._scratch = torch.empty((min(rows, n), V), dtype=torch.float32, device=hc.device)
-        for blk in _chunks(n, rows):
-            zb = z[blk]
-            if entropy:  # H = log S - sum_v e_v (z_v - m) / S
-                d = torch.sub(zb, m[blk, None], out=self._scratch[: zb.shape[0]])  # (rows, V) z - m
-                eb = torch.exp(d, out=zb)  # z's rows now hold e = exp(z - m)
-                total[blk] = eb.sum(-1)
-                ent[blk] = total[blk].log() - torch.bmm(eb.unsqueeze(1), d.unsqueeze(2)).view(-1) / total[blk]
-            else:
-                total[blk] = zb.sub_(m[blk, None]).exp_().sum(-1)
-        lse = m + total.log()
-        p = z.mul_(total.reciprocal()[:, None]) if probs else None  # e / S
-        return logit_y - lse, ent, p
-
-    def free_buffers(self) -> None:
-        self._z = self._scratch = None
-
-    def dlogp_dlogits(self, p: torch.Tensor, yc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """Consumes p: scale * d logp / d z = scale * (onehot(y) - p), times 1/temperature, (n, V)."""
-        s = (scale * self.inv_temp)[:, None]  # (n, 1)
-        return p.mul_(-s).scatter_add_(1, yc[:, None], s)
-
-    def accumulate(self, g: torch.Tensor, hc: torch.Tensor, sl: slice) -> None:
-        """Chain g = dL/dz (n, V) into the hidden-state, weight and bias gradients."""
-        if self.grad_h is not None:
-            self.grad_h[sl] = (g.to(self.W.dtype) @ self.W).to(self.grad_h.dtype)
-        if self.grad_w is not None:
-            self.grad_w.addmm_(g.t(), hc.float())
-        if self.grad_b is not None:
-            self.grad_b += g.sum(0)
-
-    def grads(self, weight, bias, scale=None):
-        """(grad_h, grad_w, grad_b) in the parameters' dtypes, optionally times a scalar."""
-        out = []
-        for g, like in ((self.grad_h, None), (self.grad_w, weight), (self.grad_b, bias)):
-            if g is not None and scale is not None:
-                g = g.mul_(scale)
-            out.append(g if g is None or like is None else g.to(like.dtype))
-        return tuple(out)
-
-
-class _DeviceChunks(_LinearChunks):
-    """The "gpu" kernel: whole-chunk ops; matmuls in the head's dtype, accumulated and returned in float32.
-
-    Per chunk: one logits GEMM, logsumexp, one exp, one product-sum for the entropy, and in
-    backward two GEMMs (d hidden, d weight accumulated in place in float32). On CPU the
-    float32-output GEMM is not available and the logits are rounded to the head's dtype first.
-    """
-
-    def logits(self, hc: torch.Tensor) -> torch.Tensor:
-        """(n, H) -> (n, V) float32 logits, temperature not applied."""
-        z = _mm_f32(hc.to(self.W.dtype), self.W.t())
-        if self.b is not None:
-            z += self.b.float()
-        return z
-
-    def score(self, hc: torch.Tensor, yc: torch.Tensor, probs: bool, entropy: bool):
-        z = self.logits(hc)  # (n, V) float32
-        if self.inv_temp != 1.0:
-            z.mul_(self.inv_temp)
-        logit_y = z.gather(1, yc[:, None]).squeeze(1)  # (n,)
-        lse = torch.logsumexp(z, dim=-1)  # (n,)
-        logsm = z.sub_(lse[:, None])  # (n, V) log-softmax, in place
-        p = logsm.exp() if (probs or entropy) else None  # (n, V)
-        ent = -(p * logsm).sum(-1) if entropy else None  # (n,)
-        return logit_y - lse, ent, p
-
-    def accumulate(self, g: torch.Tensor, hc: torch.Tensor, sl: slice) -> None:
-        low = g.to(self.W.dtype)  # (n, V): the GEMMs run on tensor cores when the head is bf16 / fp16
-        if self.grad_h is not None:
-            self.grad_h[sl] = _mm_f32(low, self.W).to(self.grad_h.dtype)
-        if self.grad_w is not None:
-            _addmm_f32_(self.grad_w, low.t(), hc.to(self.W.dtype))
-        if self.grad_b is not None:
-            self.grad_b += g.sum(0)
-
-
-class _TritonChunks(_DeviceChunks):
-    """The "triton" kernel: the "gpu" kernel's GEMMs, its elementwise passes done by `head_triton`.
-
-    Per chunk: the logits GEMM (float32 output), one read for log p(y) / entropy / logsumexp
-    (`row_stats`), and when a gradient is needed one more read that writes
-    dL/dz in the head's dtype (`row_grad`) for the two gradient GEMMs.
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._g = None  # (n, V) gradient buffer in the head's dtype, reused across chunks
-
-    def score(self, hc: torch.Tensor, yc: torch.Tensor, probs: bool, entropy: bool):
-        z = self.logits(hc)  # (n, V) float32; row_stats applies the temperature
-        logp, ent, lse = head_triton.row_stats(z, yc, self.inv_temp)
-        return logp, ent if entropy else None, (z, lse) if probs else None
-
-    def dlogp_dlogits(self, p, yc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        z, lse = p
-        if self._g is None or self._g.shape[0] < z.shape[0]:
-            self._g = torch.empty(z.shape, dtype=self.W.dtype, device=z.device)
-        return head_triton.row_grad(z, yc, lse, scale * self.inv_temp, self.inv_temp, out=self._g[: z.shape[0]])
-
-    def free_buffers(self) -> None:
-        super().free_buffers()
-        self._g = None
-
-
-_F32_OUT = {"ok": True}  # CUDA GEMMs with a float32 output (torch >= 2.8); off after the first refusal
-
-
-def _f32_out(a: torch.Tensor) -> bool:
-    return _F32_OUT["ok"] and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
-
-
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b as float32, accumulated in float32 (CUDA: one GEMM with a float32 output, no rounding to bf16)."""
-    if _f32_out(a):
-        try:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, TypeError):
-            _F32_OUT["ok"] = False
-    return torch.mm(a, b).float()
-
-
-def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b in place, acc float32, a and b in the head's dtype."""
-    if _f32_out(a):
-        try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            return
-        except (RuntimeError, TypeError):
-            _F32_OUT["ok"] = False
-    acc.add_(torch.mm(a, b))
+def resolve_head_impl(impl: str, device: torch.device) -> str:
+    """The chunk kernel that `head_impl` names for tensors on `device`: "cpu", "gpu" or "triton"."""
+    if impl not in HEAD_IMPLS:
+        raise ValueError(f"head_impl={impl!r} is invalid; expected one of {HEAD_IMPLS}")
+    if impl == "auto":
+        return ("triton" if head_triton.available() else "gpu") if device.type == "cuda" else "cpu"
+    return impl
 
 
 def _kernel(impl: str, device: torch.device):
     """The chunk kernel class of `head_impl` for tensors on `device`."""
-    if impl not in HEAD_IMPLS:
-        raise ValueError(f"head_impl={impl!r} is invalid; expected one of {HEAD_IMPLS}")
-    if impl == "auto":
-        impl = ("triton" if head_triton.available() else "gpu") if device.type == "cuda" else "cpu"
+    impl = resolve_head_impl(impl, device)
     if impl == "triton":
         head_triton.check_device(device)
     return {"cpu": _LinearChunks, "gpu": _DeviceChunks, "triton": _TritonChunks}[impl]
@@ -384,101 +252,13 @@ def _chunk_tokens(kernel, chunk_size: int | None, vocab: int) -> int:
     return CPU_CHUNK_SIZE
 
 
-def _chunks(n: int, size: int):
-    return [slice(s, s + size) for s in range(0, n, size)]
-
-
-class _LinearLogProb(torch.autograd.Function):
-    """logp, entropy of targets under softmax((h W^T + b) / temperature), chunk by chunk.
-
-    Backward recomputes one chunk of logits at a time. With `jacobian` (frozen
-    head) the forward stores d logp / d h (N, H) instead, so backward is a product.
-    """
-
-    @staticmethod
-    def forward(ctx, h, weight, bias, y, inv_temp, chunk_size, upcast, jacobian, impl):
-        # h (N, H), weight (V, H), bias (V,) | None, y (N,)
-        kernel = _kernel(impl, h.device)
-        chunk_size = _chunk_tokens(kernel, chunk_size, weight.shape[0])
-        head = kernel(weight, bias, inv_temp, upcast, need=(jacobian, False, False), like=h.float())
-        N = h.shape[0]
-        logp = torch.empty(N, dtype=torch.float32, device=h.device)
-        ent = torch.empty(N, dtype=torch.float32, device=h.device)
-        for sl in _chunks(N, chunk_size):
-            hc, yc = h[sl], y[sl]
-            logp[sl], ent[sl], p = head.score(hc, yc, probs=jacobian, entropy=True)
-            if jacobian:
-                head.accumulate(head.dlogp_dlogits(p, yc, torch.ones_like(logp[sl])), hc, sl)
-            del p
-        ctx.save_for_backward(h, weight, bias, y, head.grad_h)
-        ctx.inv_temp, ctx.chunk_size, ctx.upcast, ctx.kernel = inv_temp, chunk_size, upcast, kernel
-        ctx.mark_non_differentiable(ent)
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, grad_logp, _grad_ent):
-        h, weight, bias, y, jac = ctx.saved_tensors
-        need = tuple(ctx.needs_input_grad[:3])
-        nones = (None,) * 6
-        if jac is not None and not (need[1] or need[2]):
-            return (grad_logp[:, None] * jac).to(h.dtype), None, None, *nones
-        head = ctx.kernel(weight, bias, ctx.inv_temp, ctx.upcast, need=need, like=h)
-        for sl in _chunks(h.shape[0], ctx.chunk_size):
-            _, _, p = head.score(h[sl], y[sl], probs=True, entropy=False)
-            head.accumulate(head.dlogp_dlogits(p, y[sl], grad_logp[sl].float()), h[sl], sl)
-        return *head.grads(weight, bias), None, *nones[:5]
-
-
-class _FusedTokenLoss(torch.autograd.Function):
-    """sum_i token_loss(logp_i): gradients are computed chunk by chunk in the forward pass.
-
-    Possible because every input of the per-token loss except logp itself is a
-    constant, so dL/dlogp is known as soon as a chunk's logp is: three matmuls
-    in all (like the naive path) and one chunk of logits in memory.
-    """
-
-    @staticmethod
-    def forward(ctx, h, weight, bias, y, token_loss, inv_temp, chunk_size, upcast, need, impl):
-        kernel = _kernel(impl, h.device)
-        chunk_size = _chunk_tokens(kernel, chunk_size, weight.shape[0])
-        head = kernel(weight, bias, inv_temp, upcast, need=need, like=h)
-        N = h.shape[0]
-        logp = torch.empty(N, dtype=torch.float32, device=h.device)
-        ent = torch.empty(N, dtype=torch.float32, device=h.device)
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for sl in _chunks(N, chunk_size):
-            hc, yc = h[sl], y[sl]
-            lp, ent[sl], p = head.score(hc, yc, probs=True, entropy=True)
-            logp[sl] = lp
-            with torch.enable_grad():
-                leaf = lp.detach().requires_grad_()
-                loss = token_loss(leaf, sl).sum()
-                dl = torch.autograd.grad(loss, leaf)[0] if any(need) and loss.requires_grad else None
-            total += loss.detach().float()
-            if dl is not None:
-                head.accumulate(head.dlogp_dlogits(p, yc, dl.float()), hc, sl)
-            del p
-        head.free_buffers()  # only the gradients are kept for backward
-        ctx.head = head
-        ctx.params = (weight, bias)
-        ctx.mark_non_differentiable(logp, ent)
-        return total, logp, ent
-
-    @staticmethod
-    def backward(ctx, grad_total, _grad_logp, _grad_ent):
-        grads = ctx.head.grads(*ctx.params, scale=None if float(grad_total) == 1.0 else grad_total)
-        del ctx.head
-        return *grads, None, None, None, None, None, None, None
-
-
 def _generic_chunk(head, softcap, inv_temp):
     def run(hc, yc):
         z = _head_logits(head, hc, softcap) * inv_temp  # (n, V)
         lse = torch.logsumexp(z, dim=-1)
         logp = z.gather(1, yc[:, None]).squeeze(1) - lse
-        with torch.no_grad():
-            logsm = z - lse[:, None]
-            ent = -torch.bmm(logsm.exp().unsqueeze(1), logsm.unsqueeze(2)).view(-1)
+        logsm = z - lse[:, None]
+        ent = -torch.bmm(logsm.exp().unsqueeze(1), logsm.unsqueeze(2)).view(-1)
         return logp, ent
 
     return run
@@ -519,8 +299,9 @@ def logprobs_from_hidden(hidden: torch.Tensor, head: nn.Module, targets: torch.T
     if fused:
         frozen = not head.weight.requires_grad and not (head.bias is not None and head.bias.requires_grad)
         jacobian = grad and hidden.requires_grad and frozen
-        return _LinearLogProb.apply(hidden, head.weight, head.bias, targets, inv_temp, chunk_size, upcast, jacobian,
-                                    head_impl)
+        kernel = _kernel(head_impl, hidden.device)
+        return _TwoPassHead.apply(hidden, head.weight, head.bias, targets, inv_temp,
+                                  _chunk_tokens(kernel, chunk_size, head.weight.shape[0]), upcast, jacobian, kernel)
     run = _generic_chunk(head, softcap, inv_temp)
     if chunk_size is None:
         chunk_size = CPU_CHUNK_SIZE
@@ -551,8 +332,9 @@ def fused_token_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tenso
     bias = head.bias
     need = (grad and hidden.requires_grad, grad and head.weight.requires_grad,
             grad and bias is not None and bias.requires_grad)
-    return _FusedTokenLoss.apply(hidden, head.weight, bias, targets, token_loss, inv_temp, chunk_size, upcast, need,
-                                 head_impl)
+    kernel = _kernel(head_impl, hidden.device)
+    return _FusedTokenLoss.apply(hidden, head.weight, bias, targets, token_loss, inv_temp,
+                                 _chunk_tokens(kernel, chunk_size, head.weight.shape[0]), upcast, need, kernel)
 
 
 def scatter_positions(values: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
@@ -567,17 +349,33 @@ def scatter_positions(values: torch.Tensor, select: torch.Tensor) -> torch.Tenso
 
 def logprobs_at(hidden: torch.Tensor, model, input_ids: torch.Tensor, positions: torch.Tensor, *,
                 temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE, upcast: bool = False,
-                fused: bool | None = None, head_impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                fused: bool | None = None, head_impl: str = "auto",
+                index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) log-probs and entropy of input_ids from hidden (B, T, H), only where `positions` (B, T) is set.
 
-    Column 0 and unset positions are 0.
+    Column 0 and unset positions are 0. index: the (N,) long flat positions b * T + t that predict
+    the set positions (`trainer.batch.trained_index(positions)`), found before the forward: the
+    tokens are then gathered and scattered back without a host sync.
     """
+    head_opts = dict(temperature=temperature, chunk_size=chunk_size, softcap=logit_softcap(model), upcast=upcast,
+                     fused=fused, head_impl=head_impl)
+    if index is not None:
+        B, T = input_ids.shape
+        h = hidden.reshape(B * T, -1).index_select(0, index)  # (N, H)
+        y = input_ids.reshape(-1).index_select(0, index + 1)  # (N,)
+        lp, ent = logprobs_from_hidden(h, output_head(model), y, **head_opts)
+        return scatter_index(lp, index + 1, (B, T)), scatter_index(ent, index + 1, (B, T))
     select = positions[:, 1:].bool()  # (B, T-1): token t+1 ...
     h = hidden[:, :-1][select]  # (N, H) ... is predicted from position t
     y = input_ids[:, 1:][select]  # (N,)
-    lp, ent = logprobs_from_hidden(h, output_head(model), y, temperature=temperature, chunk_size=chunk_size,
-                                   softcap=logit_softcap(model), upcast=upcast, fused=fused, head_impl=head_impl)
+    lp, ent = logprobs_from_hidden(h, output_head(model), y, **head_opts)
     return scatter_positions(lp, select), scatter_positions(ent, select)
+
+
+def scatter_index(values: torch.Tensor, index: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """values (N,) put at the flat positions `index` (N,) of a (B, T) tensor of zeros (no host sync)."""
+    flat = torch.zeros(shape[0] * shape[1], dtype=values.dtype, device=values.device)
+    return flat.index_put((index,), values).view(shape)
 
 
 def token_logprobs(model, batch, temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE,

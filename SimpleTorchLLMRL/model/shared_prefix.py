@@ -20,11 +20,16 @@ prefix's MLPs, projections and saved activations are paid U times instead of B.
 
 Used by `GRPO(share_prefix=True)` for its loss and no-grad log-prob passes, and in spirit
 by the HF generator, which prefills each distinct prompt once (`hf_backend`).
+
+Which rows share which prefix is data (`plan_shared_prefix`, a `PrefixPlan`): finding it waits
+for the device, so the trainer finds it before the forward (`prepare`, `split`) and the
+forward itself never syncs (the prefix forward gets a 4D mask, which HF uses as given).
 """
 
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -75,36 +80,60 @@ def forward_last_logits(model, **kwargs):
         return model(**kwargs)
 
 
+class PrefixPlan(NamedTuple):
+    """The rows' shared prefixes, found on host-readable data before the forward (`plan_shared_prefix`)."""
+
+    start: torch.Tensor  # (B,) long, the first position whose hidden state each row needs
+    group: torch.Tensor | None  # (B,) long, each row's prefix; None: nothing is shared, run the plain forward
+    owner: torch.Tensor | None  # (U,) long, one row per prefix
+    prefix_len: int  # P: the longest prefix
+    suffix_len: int  # S: the longest suffix
+
+
+def plan_shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, start: torch.Tensor) -> PrefixPlan:
+    """Which rows of a right-padded (B, T) batch share their tokens before `start` (B,); waits for the device.
+
+    The plan's group is None (the plain forward runs) when the batch is left-padded or no two
+    rows share a prefix.
+    """
+    left_padded = bool((attention_mask[:, :-1] < attention_mask[:, 1:]).any())  # a 0 before a 1
+    groups = None if left_padded else prefix_groups(input_ids, start)
+    if groups is None:
+        return PrefixPlan(start, None, None, 0, 0)
+    group, owner = groups
+    own = torch.tensor(owner, device=input_ids.device)
+    lengths = attention_mask.sum(-1)  # (B,) right-padded: real tokens first
+    return PrefixPlan(start, group, own, int(start[own].max()), int((lengths - start).max()))
+
+
 def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                                start: torch.Tensor):
+                                start: torch.Tensor, plan: PrefixPlan | None = None):
     """(B, T, H) final hidden states of a right-padded batch, exact from `start` on, 0 before it.
 
     Returns (hidden, output of the suffix forward), or None (the caller runs the plain
     forward) when no two rows share a prefix, the batch is not right-padded, or the model
-    gives no cache (gradient checkpointing turns HF's cache off).
+    gives no cache (gradient checkpointing turns HF's cache off). plan: `plan_shared_prefix`'s
+    for this batch (found before the forward: then nothing here waits for the device).
     """
-    left_padded = bool((attention_mask[:, :-1] < attention_mask[:, 1:]).any())  # a 0 before a 1
-    groups = None if left_padded else prefix_groups(input_ids, start)
-    if groups is None or getattr(model, "is_gradient_checkpointing", False):
+    plan = plan if plan is not None else plan_shared_prefix(input_ids, attention_mask, start)
+    if plan.group is None or getattr(model, "is_gradient_checkpointing", False):
         return None
-    group, owner = groups
+    group, own, P, S = plan.group, plan.owner, plan.prefix_len, plan.suffix_len
     device = input_ids.device
     lengths = attention_mask.sum(-1)  # (B,) right-padded: real tokens first
-    own = torch.tensor(owner, device=device)
-    P = int(start[own].max())
     # left-padded (U, P): every prefix ends at slot P - 1, so cache slots and positions differ by one
     # constant per row in prefix and suffix alike (what sliding-window layers and their caches assume)
     pos = torch.arange(P, device=device)[None] - (P - start[own, None])  # (U, P) position of each slot
     prefix_mask = (pos >= 0).long()  # (U, P)
     prefix_ids = torch.where(pos >= 0, input_ids[own].gather(1, pos.clamp(min=0)), 0)
-    out = forward_last_logits(model, input_ids=prefix_ids, attention_mask=prefix_mask,
+    attention = causal_mask_4d(model, prefix_mask)  # HF reads a 2D mask for padding (a host sync); a 4D one it uses
+    out = forward_last_logits(model, input_ids=prefix_ids, attention_mask=prefix_mask if attention is None else attention,
                               position_ids=pos.clamp(min=0), use_cache=True)
     cache = getattr(out, "past_key_values", None)
     if cache is None:
         return None
     cache.batch_select_indices(group)  # (U, ...) -> (B, ...)
 
-    S = int((lengths - start).max())
     cols = start[:, None] + torch.arange(S, device=device)[None]  # (B, S) positions of the suffix tokens
     in_row = cols < lengths[:, None]  # (B, S)
     suffix_ids = torch.where(in_row, input_ids.gather(1, cols.clamp(max=input_ids.shape[1] - 1)), 0)
@@ -118,6 +147,33 @@ def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: 
     valid = (at >= 0) & (at < S)
     picked = hs.gather(1, at.clamp(0, S - 1)[..., None].expand(-1, -1, hs.shape[-1]))  # (B, T, H)
     return torch.where(valid[..., None], picked, torch.zeros((), dtype=hs.dtype, device=device)), out
+
+
+def causal_mask_4d(model, key_valid: torch.Tensor) -> torch.Tensor | None:
+    """A (B, 1, T, T) causal mask over the keys `key_valid` (B, T) marks, as HF's attention takes it, or None.
+
+    HF reads a 2D mask for padding with a host sync in every forward; a 4D mask it uses as
+    given. Only for its "sdpa" (bool: True attends) and "eager" (additive float) attention on
+    full-attention models: None for the others (flash / flex attention read the 2D mask;
+    sliding-window layers need their own). Every query also attends to itself, so a padded
+    query row is never empty (no NaN in what nobody reads).
+    """
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    layer_types = getattr(config, "layer_types", None)
+    sliding = (any(t != "full_attention" for t in layer_types) if layer_types
+               else getattr(config, "sliding_window", None) is not None
+               and getattr(config, "use_sliding_window", True) is not False)
+    if impl not in ("sdpa", "eager") or sliding:
+        return None
+    T = key_valid.shape[-1]
+    eye = torch.eye(T, dtype=torch.bool, device=key_valid.device)
+    allowed = (torch.ones_like(eye).tril_() & key_valid.bool()[:, None, None, :]) | eye  # (B, 1, T, T)
+    if impl == "sdpa":
+        return allowed
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed,
+                                                                                       torch.finfo(dtype).min)
 
 
 def check_shared_prefix(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: torch.Tensor) -> None:

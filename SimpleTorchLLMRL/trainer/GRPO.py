@@ -29,8 +29,13 @@ import torch
 
 from SimpleTorchLLMRL.chat.message import Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_rollouts
-from SimpleTorchLLMRL.model.logprobs import final_hidden_states, logit_softcap, output_head, token_logprobs
-from SimpleTorchLLMRL.model.shared_prefix import first_positions
+from SimpleTorchLLMRL.model.logprobs import (
+    final_hidden_states,
+    logit_softcap,
+    output_head,
+    token_logprobs,
+)
+from SimpleTorchLLMRL.model.shared_prefix import PrefixPlan, first_positions, plan_shared_prefix
 from SimpleTorchLLMRL.trainer import advantages as A
 from SimpleTorchLLMRL.trainer.batch import (
     StepOutput,
@@ -44,9 +49,11 @@ from SimpleTorchLLMRL.trainer.batch import (
     resolve_temperature,
     split_options,
     staleness_metrics,
+    trained_index,
     trained_mask,
     warn_if_dropout,
 )
+from SimpleTorchLLMRL.trainer.combine import LazyMetrics
 from SimpleTorchLLMRL.trainer.grpo_loss import GRPOConfig, grpo_loss, token_inputs
 from SimpleTorchLLMRL.trainer.losses import default_normalizer
 from SimpleTorchLLMRL.utils.warn import warn_user
@@ -75,7 +82,7 @@ class GRPO:
         check_policy(self.name, model, tokenizer, ref_model, self.config.beta)
         self.model, self.tokenizer, self.ref_model = model, tokenizer, ref_model
         self.policy_version: int | None = None  # the trainer's current version: staleness metrics when set
-        self.metrics: dict[str, float] = {}  # the last loss call's metrics
+        self.metrics: dict[str, float] = LazyMetrics()  # the last loss call's metrics (tensors until read)
         self.token_logprobs: torch.Tensor | None = None  # (B, T) of the last loss call, NaN where not trained
         self._dropout_checked = False
 
@@ -133,6 +140,10 @@ class GRPO:
         return token_logprobs(model, batch, temperature, o.chunk_size, positions=mask, share_prefix=o.share_prefix,
                               head_impl=o.head_impl)
 
+    def prefix_plan(self, batch, mask: torch.Tensor) -> PrefixPlan:
+        """Which rows share their tokens before the first trained one (`share_prefix`); waits for the device."""
+        return plan_shared_prefix(batch.input_ids, batch.attention_mask, first_positions(mask))
+
     def prepare(self, rollouts: list[Rollout], rewards, compute_old: bool = True) -> TrainBatch:
         """Encode, compute advantages and (no-grad) old / reference log-probs once, for several epochs."""
         cfg = self.config
@@ -140,6 +151,8 @@ class GRPO:
         group = self.group_index(rollouts)
         batch = self.encode(rollouts)
         mask = trained_mask(batch)
+        index = trained_index(mask)  # (N,) found before any forward: the loss never waits for the device
+        plan = self.prefix_plan(batch, mask) if self.compute_options.share_prefix else None
         temperature = resolve_temperature(self.name, cfg.temperature, batch.sampling_temperature)
         adv = self.advantages(r, group)
         old = ref = None
@@ -159,7 +172,7 @@ class GRPO:
         norm = default_normalizer(cfg.spec.aggregate, mask, cfg.max_tokens)
         device = batch.input_ids.device
         return TrainBatch(batch, mask, r.to(device), temperature, norm, advantages=adv.to(device),
-                          old_logprobs=old, ref_logprobs=ref, metrics=metrics)
+                          old_logprobs=old, ref_logprobs=ref, metrics=metrics, token_index=index, prefix_plan=plan)
 
     def normalizer_for(self, rollouts: list[Rollout]) -> float:
         """The aggregator's denominator for this full batch of rollouts (for your own micro-batching)."""
@@ -176,16 +189,20 @@ class GRPO:
         if not self._dropout_checked:
             self._dropout_checked = warn_if_dropout(self.name, self.model)
         norm = normalizer if normalizer is not None else tb.normalizer
-        start = first_positions(mask) if opts.share_prefix else None  # (B,) first hidden state a row needs
-        hidden = final_hidden_states(self.model, batch.input_ids, batch.attention_mask, start=start)  # (B, T, H)
-        select = mask[:, 1:].bool()  # (B, T-1): token t+1 is trained, predicted from position t
-        h, y = hidden[:, :-1][select], batch.input_ids[:, 1:][select]  # (N, H), (N,)
-        out = grpo_loss(h, output_head(self.model), y, token_inputs(tb, select, norm, cfg), cfg,
+        index = tb.token_index if tb.token_index is not None else trained_index(mask)  # (N,) predicting positions
+        plan = (tb.prefix_plan if tb.prefix_plan is not None else self.prefix_plan(batch, mask)) \
+            if opts.share_prefix else None  # which rows share a prompt: found by prepare / split, before this
+        hidden = final_hidden_states(self.model, batch.input_ids, batch.attention_mask, prefix_plan=plan,
+                                     right_padded=True)  # (B, T, H); a Batch is right-padded
+        B, T = mask.shape
+        h = hidden.reshape(B * T, -1).index_select(0, index)  # (N, H): position t predicts token t+1
+        y = batch.input_ids.reshape(-1).index_select(0, index + 1)  # (N,)
+        out = grpo_loss(h, output_head(self.model), y, token_inputs(tb, index, norm, cfg), cfg,
                         temperature=tb.temperature, chunk_size=opts.chunk_size, softcap=logit_softcap(self.model),
                         fused=opts.fused, head_impl=opts.head_impl)
-        full = torch.full(mask.shape, torch.nan, device=out.logprobs.device)  # (B, T)
-        full[:, 1:][select] = out.logprobs.float()
-        metrics = {**tb.metrics, **out.metrics, "temperature": tb.temperature}
+        full = torch.full((B * T,), torch.nan, device=out.logprobs.device)  # (B, T) flat
+        full = full.index_copy(0, index + 1, out.logprobs.float()).view(B, T)
+        metrics = LazyMetrics.merged(tb.metrics, out.metrics, temperature=tb.temperature)  # tensors until read
         self.metrics, self.token_logprobs = metrics, full  # the record of this call
         return StepOutput(out.loss, metrics, full)
 

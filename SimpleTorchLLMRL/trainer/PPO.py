@@ -42,9 +42,11 @@ from SimpleTorchLLMRL.trainer.batch import (
     reference_logprobs,
     resolve_temperature,
     staleness_metrics,
+    trained_index,
     trained_mask,
     warn_if_dropout,
 )
+from SimpleTorchLLMRL.trainer.combine import LazyMetrics
 from SimpleTorchLLMRL.trainer.losses import KL_ESTIMATORS, Clip, clipped_surrogate, token_mean, value_loss
 
 
@@ -92,26 +94,29 @@ class PPOConfig:
 def ppo_loss(logp: torch.Tensor, entropy: torch.Tensor, values: torch.Tensor, old: torch.Tensor,
              tis: torch.Tensor | None, adv: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor,
              mask: torch.Tensor, config: PPOConfig, normalizer: float,
-             ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+             ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, LazyMetrics]:
     """PPO's loss unit, pure: policy loss + vf_coef * value loss (token means over the FULL batch's
-    `normalizer` trained tokens), and its metrics in `combine_metrics` form. Every tensor (B, T)."""
+    `normalizer` trained tokens), and its metrics in `combine_metrics` form (a `LazyMetrics`: tensors
+    until read, no host sync). Every tensor (B, T)."""
     per_token, clip_stats = clipped_surrogate(logp - old, logp, adv, config.clip)
     if tis is not None:
         per_token = per_token * tis
     policy_loss = token_mean(per_token, mask, normalizer)
     vf_loss = token_mean(value_loss(values, old_values, returns, config.cliprange_value), mask, normalizer)
     loss = policy_loss + config.vf_coef * vf_loss
-    with torch.no_grad():
+    with torch.no_grad():  # 0-dim tensors: nothing waits for the device until the metrics are read
         m = mask.bool()
-        mean = lambda x: x[m].float().mean().item()  # noqa: E731
-        ratio = torch.exp(logp - old)[m]
-        metrics = dict(loss=loss.item(), policy_loss=policy_loss.item(), value_loss=vf_loss.item(),
-                       entropy=mean(entropy), value_mean=mean(values), return_mean=mean(returns),
-                       advantage_mean=mean(adv), clip_frac_low=mean(clip_stats["clipped_low"]),
-                       clip_frac_high=mean(clip_stats["clipped_high"]), ratio_mean=ratio.mean().item(),
-                       ratio_min=ratio.min().item(), ratio_max=ratio.max().item(), num_tokens=int(m.sum()),
-                       num_sequences=mask.shape[0])
-        metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
+        mf = m.float()
+        count = mf.sum()
+        mean = lambda x: (x.detach().float() * mf).sum() / count  # noqa: E731  over the trained tokens
+        ratio = torch.exp(logp.detach() - old)
+        low, high = mean(clip_stats["clipped_low"]), mean(clip_stats["clipped_high"])
+        metrics = LazyMetrics(loss=loss.detach(), policy_loss=policy_loss.detach(), value_loss=vf_loss.detach(),
+                              entropy=mean(entropy), value_mean=mean(values), return_mean=mean(returns),
+                              advantage_mean=mean(adv), clip_frac_low=low, clip_frac_high=high,
+                              ratio_mean=mean(ratio), ratio_min=torch.where(m, ratio, torch.inf).min(),
+                              ratio_max=torch.where(m, ratio, -torch.inf).max(), num_tokens=m.sum(),
+                              num_sequences=mask.shape[0], clip_frac=low + high)
         if tis is not None:
             metrics["tis_weight_mean"] = mean(tis)
         if ref_logprobs is not None:
@@ -158,7 +163,7 @@ class PPO:
             value_head.to(model_device(critic if critic is not None else model))
         self.value_head = value_head
         self.policy_version: int | None = None  # the trainer's current version: staleness metrics when set
-        self.metrics: dict[str, float] = {}  # the last loss call's metrics
+        self.metrics: dict[str, float] = LazyMetrics()  # the last loss call's metrics (tensors until read)
         self.token_logprobs: torch.Tensor | None = None  # (B, T) of the last loss call, NaN where not trained
         self._dropout_checked = False
 
@@ -175,13 +180,15 @@ class PPO:
         v = self.value_head(hidden[:, :-1].to(head_dtype)).squeeze(-1).float()  # (B, T-1)
         return torch.cat([v.new_zeros(v.shape[0], 1), v], dim=1)
 
-    def _forward(self, batch, mask, temperature):
-        """One policy forward -> (logp, entropy, values), all (B, T)."""
-        hidden = final_hidden_states(self.model, batch.input_ids, batch.attention_mask)
+    def _forward(self, batch, mask, temperature, index=None):
+        """One policy forward -> (logp, entropy, values), all (B, T); index: `trained_index(mask)` (no sync)."""
+        # a Batch is right-padded: a causal mask alone keeps padding out of every real position (no host sync)
+        hidden = final_hidden_states(self.model, batch.input_ids, batch.attention_mask, right_padded=True)
         logp, ent = logprobs_at(hidden, self.model, batch.input_ids, mask, temperature=temperature,
-                                chunk_size=self.compute_options.chunk_size, head_impl=self.compute_options.head_impl)
+                                chunk_size=self.compute_options.chunk_size, head_impl=self.compute_options.head_impl,
+                                index=index)
         if self.critic is not None:
-            hidden = final_hidden_states(self.critic, batch.input_ids, batch.attention_mask)
+            hidden = final_hidden_states(self.critic, batch.input_ids, batch.attention_mask, right_padded=True)
         return logp, ent, self.values(hidden) * mask.to(torch.float32)
 
     def token_rewards(self, tb: TrainBatch, old_logp: torch.Tensor) -> torch.Tensor:
@@ -205,6 +212,7 @@ class PPO:
         r = check_rewards(rewards, len(rollouts))
         batch = encode(self.name, rollouts, self.tokenizer, model_device(self.model), opts.max_length, opts.truncate)
         mask = trained_mask(batch)
+        index = trained_index(mask)  # (N,) found before any forward: the loss never waits for the device
         temperature = resolve_temperature(self.name, cfg.temperature, batch.sampling_temperature)
         ref = None
         if cfg.beta > 0:
@@ -212,10 +220,11 @@ class PPO:
                 m, batch, temperature, opts.chunk_size, positions=mask, head_impl=opts.head_impl))
         tb = TrainBatch(batch, mask, r.to(batch.input_ids.device), temperature, float(mask.sum()), ref_logprobs=ref,
                         metrics={"reward_mean": r.mean().item(), "reward_std": r.std().item() if len(r) > 1 else 0.0,
-                                 "temperature": temperature, **staleness_metrics(rollouts, self.policy_version)})
+                                 "temperature": temperature, **staleness_metrics(rollouts, self.policy_version)},
+                        token_index=index)
         if compute_old:
             with torch.no_grad():
-                logp, _, values = self._forward(batch, mask, temperature)
+                logp, _, values = self._forward(batch, mask, temperature, index)
             old, _ = old_and_tis(logp, batch.sampler_logprobs, mask, cfg.tis_cap)
             tb.old_logprobs, tb.old_values = logp, values
             tb.advantages, tb.returns = self._advantages(tb, old, values)
@@ -228,7 +237,8 @@ class PPO:
         cfg, mask = self.config, tb.mask
         if not self._dropout_checked:
             self._dropout_checked = warn_if_dropout(self.name, self.model)
-        logp, ent, values = self._forward(tb.batch, mask, tb.temperature)
+        index = tb.token_index if tb.token_index is not None else trained_index(mask)
+        logp, ent, values = self._forward(tb.batch, mask, tb.temperature, index)
         trainer_old = tb.old_logprobs if tb.old_logprobs is not None else logp.detach()
         old, tis = old_and_tis(trainer_old, tb.sampler_logprobs, mask, cfg.tis_cap)
         old_values = tb.old_values if tb.old_values is not None else values.detach()
@@ -237,7 +247,7 @@ class PPO:
         norm = normalizer if normalizer is not None else tb.normalizer
         loss, metrics = ppo_loss(logp, ent, values, old, tis, adv, returns, old_values, mask, cfg, norm,
                                  tb.ref_logprobs)
-        metrics = {**tb.metrics, **metrics, "temperature": tb.temperature}
+        metrics = LazyMetrics.merged(tb.metrics, metrics, temperature=tb.temperature)  # tensors until read
         full = torch.where(mask.bool(), logp.detach().float(), torch.nan)  # (B, T), for `logprob_drift`
         self.metrics, self.token_logprobs = metrics, full  # the record of this call
         return StepOutput(loss, metrics, full)

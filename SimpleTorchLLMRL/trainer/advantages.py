@@ -83,10 +83,12 @@ def whiten(x: torch.Tensor, mask: torch.Tensor | None = None, shift_mean: bool =
     REINFORCE++ whitens advantages over the whole batch this way.
     """
     m = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.bool()
-    vals = x[m].to(torch.float64)
-    mean = vals.mean() if vals.numel() else vals.new_zeros(())
-    std = vals.std() if vals.numel() > 1 else vals.new_zeros(())
-    out = (x.to(torch.float64) - mean) / (std + eps)
+    w, x64 = m.to(torch.float64), x.to(torch.float64)  # masked sums, no boolean index: nothing waits for the device
+    n = w.sum()
+    mean = (x64 * w).sum() / n.clamp(min=1)  # 0 when nothing is set
+    var = ((x64 - mean) ** 2 * w).sum() / (n - 1).clamp(min=1)  # unbiased, as torch.std
+    std = torch.where(n > 1, var.sqrt(), torch.zeros_like(var))
+    out = (x64 - mean) / (std + eps)
     if not shift_mean:
         out = out + mean
     return torch.where(m, out.to(x.dtype), torch.zeros_like(x))

@@ -27,6 +27,8 @@ from SimpleTorchLLMRL.model.adapters import use_adapter
 from SimpleTorchLLMRL.model.dropout import active_dropout
 from SimpleTorchLLMRL.model.logprobs import DEFAULT_CHUNK_SIZE, HEAD_IMPLS, check_vocabulary
 from SimpleTorchLLMRL.model.lora import is_peft_model
+from SimpleTorchLLMRL.model.shared_prefix import PrefixPlan, first_positions, plan_shared_prefix
+from SimpleTorchLLMRL.trainer.combine import LazyMetrics
 from SimpleTorchLLMRL.trainer.losses import truncated_is_weight
 from SimpleTorchLLMRL.utils.warn import warn_user
 
@@ -82,6 +84,19 @@ def trained_mask(batch: Batch) -> torch.Tensor:
         raise ValueError(f"rollouts {empty[:10]} have no trainable token (no trainable MODEL message after "
                          "the first token); drop them or mark a message trainable=True")
     return mask
+
+
+def trained_index(mask: torch.Tensor) -> torch.Tensor:
+    """(N,) long: the flat positions b * T + t of a (B, T) batch whose hidden state predicts a trained token.
+
+    Position t predicts token t + 1, so these are the t with mask[b, t + 1] set, in row-major
+    order (the order of `x[:, :-1][mask[:, 1:].bool()]`); the trained tokens are at index + 1.
+    Finding them waits for the device once (a `nonzero`): `prepare` and `split` do it before any
+    forward, so the loss reads its tokens with `index_select` and never syncs.
+    """
+    select = torch.zeros(mask.shape, dtype=torch.bool, device=mask.device)  # (B, T)
+    select[:, :-1] = mask[:, 1:].bool()
+    return select.reshape(-1).nonzero().squeeze(1)
 
 
 def staleness_metrics(rollouts: list[Rollout], current: int | None) -> dict[str, float]:
@@ -179,6 +194,9 @@ class TrainBatch:
     the current policy, detached, i.e. on-policy). The generator's log-probs are
     `sampler_logprobs` (from `batch`). normalizer: the FULL batch's denominator.
     metrics: the batch-level numbers of `prepare` (rewards, advantages, staleness).
+    token_index: (N,) long `trained_index(mask)`, found once before any forward (`prepare`, `split`);
+    None: the loss finds it (one host sync). prefix_plan: with `share_prefix`, which rows share their
+    prompt (`model.shared_prefix.plan_shared_prefix`), found before any forward likewise.
     """
 
     batch: Batch
@@ -192,6 +210,8 @@ class TrainBatch:
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     metrics: dict = field(default_factory=dict)
+    token_index: torch.Tensor | None = None
+    prefix_plan: PrefixPlan | None = None
 
     def __len__(self) -> int:
         return len(self.batch)
@@ -210,7 +230,11 @@ class TrainBatch:
             rows = slice(s, s + micro_batch_size)
             T = int(self.batch.attention_mask[rows].sum(-1).max())
             b = self.batch[rows].columns(T)
-            out.append(replace(self, batch=b, mask=_cut(self.mask, rows, T), rewards=self.rewards[rows],
+            mask = _cut(self.mask, rows, T)
+            plan = None if self.prefix_plan is None else plan_shared_prefix(b.input_ids, b.attention_mask,
+                                                                            first_positions(mask))
+            out.append(replace(self, batch=b, mask=mask, rewards=self.rewards[rows], token_index=trained_index(mask),
+                               prefix_plan=plan,
                                advantages=_cut(self.advantages, rows, T),
                                old_logprobs=_cut(self.old_logprobs, rows, T),
                                ref_logprobs=_cut(self.ref_logprobs, rows, T),
@@ -222,11 +246,13 @@ class TrainBatch:
 class StepOutput(NamedTuple):
     """One loss call: the scalar loss, its metrics (`combine_metrics` form) and the recomputed log-probs.
 
+    metrics: a `LazyMetrics` dict: its values are device tensors until the first read (after
+    `backward()`, so the step never waits for the device), then numbers.
     token_logprobs: (B, T) float32, the trainer's log-prob of each trained token, NaN elsewhere
     (for `logprob_drift`)."""
 
     loss: torch.Tensor
-    metrics: dict[str, float]
+    metrics: LazyMetrics
     token_logprobs: torch.Tensor
 
 
@@ -246,9 +272,12 @@ class ComputeOptions:
     """How the numbers are computed, not what they are; keyword arguments of `GRPO` and `PPO`.
 
     chunk_size: trained tokens scored per chunk of the output head (None: by kernel). head_impl: the
-    chunk kernel, "auto" (gpu on CUDA, else cpu), "cpu" or "gpu" (`model.logprobs`). fused: GRPO's token-level loss forms
-    its gradient chunk by chunk in the forward (`fused_token_loss`) when the head allows; False always
-    uses chunked log-probs + autograd (same values). share_prefix: the rows of a group run their shared
+    chunk kernel, "auto" (triton / gpu on CUDA, else cpu), "cpu", "gpu" or "triton" (`model.logprobs`). fused:
+    False: the two-pass head, chunked log-probs and entropy without autograd, the loss once on them, the
+    logits recomputed in backward (`model.logprobs._TwoPassHead`); True: GRPO's token-level loss forms its
+    gradient chunk by chunk in the forward (`fused_token_loss`) when the head allows (one logits pass
+    less, an autograd graph per chunk); None (default): two-pass on the "gpu" / "triton" kernels, fused
+    on "cpu" (`grpo_loss.grpo_loss`). Same values either way. share_prefix: the rows of a group run their shared
     prompt once (`model.shared_prefix`; checked against the plain forward once per model).
     max_length / truncate: as `encode_rollout`.
     """
@@ -257,7 +286,7 @@ class ComputeOptions:
     head_impl: str = "auto"
     max_length: int | None = None
     truncate: bool = False
-    fused: bool = True
+    fused: bool | None = None
     share_prefix: bool = False
 
     def __post_init__(self):

@@ -11,9 +11,15 @@ Each micro-batch's loss already carries the FULL batch's normalizer, so losses a
 up to the full-batch loss. Per-token statistics are weighted by `num_tokens`;
 min / max are taken over the parts; counts are summed; batch-level numbers
 (rewards, advantages, temperature) are the same in every part and kept once.
+
+A loss call's metrics are a `LazyMetrics`: a dict whose values stay 0-dim tensors on the
+model's device until someone reads one, so nothing waits for the device between the
+forward's start and the backward's end; the first read turns them all into numbers at once.
 """
 
 from __future__ import annotations
+
+import torch
 
 SUMMED = frozenset({"loss", "policy_loss", "value_loss", "num_tokens", "num_sequences"})
 TOKEN_MEANS = frozenset({"entropy", "ratio_mean", "clip_frac_low", "clip_frac_high", "clip_frac", "kl",
@@ -46,3 +52,73 @@ def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
         else:
             out[key] = values[0]
     return out
+
+
+class LazyMetrics(dict):
+    """A dict of metrics whose tensor values become Python numbers on the first read, all in one transfer.
+
+    The loss units put 0-dim tensors here (no `.item()`, which would wait for the device in the
+    middle of a step); reading a value, iterating, `items()`, `dict(m)`, `{**m}` or `json.dumps(m)`
+    after `backward()` materializes every value at once (floats; ints for integer tensors).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._lazy = any(isinstance(v, torch.Tensor) for v in dict.values(self))
+
+    @classmethod
+    def merged(cls, *parts, **extra) -> LazyMetrics:
+        """The parts' entries in order (later ones win), without materializing any of them."""
+        out = cls()
+        for part in parts:
+            dict.update(out, dict.items(part))
+        dict.update(out, extra)
+        out._lazy = any(isinstance(v, torch.Tensor) for v in dict.values(out))
+        return out
+
+    def materialize(self) -> LazyMetrics:
+        """Turn every tensor value into a number (one device-to-host copy); returns self."""
+        if not self._lazy:
+            return self
+        keys = [k for k, v in dict.items(self) if isinstance(v, torch.Tensor)]
+        if keys:
+            tensors = [dict.__getitem__(self, k).detach() for k in keys]
+            values = torch.stack([t.reshape(()).to(torch.float64) for t in tensors]).tolist()
+            for k, t, v in zip(keys, tensors, values, strict=True):
+                is_int = not (t.is_floating_point() or t.is_complex())
+                dict.__setitem__(self, k, int(v) if is_int else v)
+        self._lazy = False
+        return self
+
+    def __setitem__(self, key, value):
+        dict.__setitem__(self, key, value)
+        self._lazy = self._lazy or isinstance(value, torch.Tensor)
+
+    def __getitem__(self, key):
+        return dict.__getitem__(self.materialize(), key)
+
+    def get(self, key, default=None):
+        return dict.get(self.materialize(), key, default)
+
+    def __iter__(self):  # also takes `dict(m)` / `{**m}` off CPython's raw-storage fast path
+        return dict.__iter__(self.materialize())
+
+    def items(self):
+        return dict.items(self.materialize())
+
+    def values(self):
+        return dict.values(self.materialize())
+
+    def copy(self) -> LazyMetrics:
+        return LazyMetrics.merged(self)
+
+    def __repr__(self) -> str:
+        return dict.__repr__(self.materialize())
+
+    def __eq__(self, other):
+        return dict.__eq__(self.materialize(), other)
+
+    __hash__ = None
+
+    def __reduce__(self):
+        return dict, (dict(self.items()),)

@@ -6,7 +6,14 @@ Legend: B rollouts, T tokens, N trained tokens of the batch, n of a chunk, H hid
     out = grpo_loss(h, head, y, x, config, temperature=...)   # LossOutput(loss, metrics, logprobs (N,))
 
 `metrics` are in the form `combine_metrics` adds up over micro-batches:
-`loss` (a share of the full-batch loss), token means with `num_tokens`, min / max.
+`loss` (a share of the full-batch loss), token means with `num_tokens`, min / max. They are a
+`LazyMetrics` of 0-dim tensors (nothing here waits for the device); reading one materializes them.
+
+On the GPU kernels the head runs in two passes (`model.logprobs._TwoPassHead`): chunked log-probs
+and entropy without autograd, then this loss once on the (N,) tensors with autograd, and the
+logits recomputed chunk by chunk in backward. On the "cpu" kernel, and with `fused=True`, the
+gradient is formed chunk by chunk in the forward instead (`fused_token_loss`: one logits pass
+less, an autograd graph of the loss per chunk).
 """
 
 from __future__ import annotations
@@ -16,9 +23,15 @@ from typing import NamedTuple
 
 import torch
 
-from SimpleTorchLLMRL.model.logprobs import fused_token_loss, logprobs_from_hidden, supports_fused
+from SimpleTorchLLMRL.model.logprobs import (
+    fused_token_loss,
+    logprobs_from_hidden,
+    resolve_head_impl,
+    supports_fused,
+)
 from SimpleTorchLLMRL.trainer import advantages as A
 from SimpleTorchLLMRL.trainer.batch import TrainBatch, old_and_tis
+from SimpleTorchLLMRL.trainer.combine import LazyMetrics
 from SimpleTorchLLMRL.trainer.losses import (
     KL_ESTIMATORS,
     LOSS_TYPES,
@@ -126,25 +139,32 @@ class LossOutput(NamedTuple):
     """What a loss unit returns: the scalar loss, its metrics, and the trained tokens' log-probs (detached)."""
 
     loss: torch.Tensor
-    metrics: dict[str, float]
+    metrics: LazyMetrics  # 0-dim tensors until read
     logprobs: torch.Tensor  # (N,) float32, the order of the trained tokens
 
 
 def token_inputs(tb: TrainBatch, select: torch.Tensor, normalizer: float, config: GRPOConfig) -> TokenInputs:
     """Constants of the per-token loss over the trained tokens. NaN trainer_old = the current policy.
 
-    select (B, T-1) bool: token t+1 is trained (predicted from position t)."""
+    select: (B, T-1) bool, token t+1 is trained (predicted from position t); or the (N,) long
+    `batch.trained_index` of the same tokens, which reads them without a host sync."""
     mask = tb.mask
-    pick = lambda t: t[:, 1:][select]  # noqa: E731  (B, T) -> (N,)
-    nan = torch.full(mask.shape, torch.nan, device=mask.device)
-    B = mask.shape[0]
+    B, T = mask.shape
+    if select.dtype == torch.bool:
+        pick = lambda t: t[:, 1:][select]  # noqa: E731  (B, T) -> (N,)
+        row = pick(torch.arange(B, device=mask.device)[:, None].expand_as(mask))
+    else:
+        target = select + 1  # (N,) flat positions of the trained tokens
+        pick = lambda t: t.reshape(-1).index_select(0, target)  # noqa: E731  (B, T) -> (N,)
+        row = torch.div(select, T, rounding_mode="floor")
+    nan = torch.full(row.shape, torch.nan, device=mask.device)  # (N,)
     return TokenInputs(
-        advantages=pick(tb.advantages[:, None].expand_as(mask).float()),
-        trainer_old=pick(tb.old_logprobs if tb.old_logprobs is not None else nan),
-        sampled=pick(tb.sampler_logprobs if tb.sampler_logprobs is not None else nan),
+        advantages=tb.advantages.float().index_select(0, row),
+        trainer_old=pick(tb.old_logprobs) if tb.old_logprobs is not None else nan,
+        sampled=pick(tb.sampler_logprobs) if tb.sampler_logprobs is not None else nan,
         ref=pick(tb.ref_logprobs) if tb.ref_logprobs is not None else None,
         weight=pick(aggregation_weights(config.spec.aggregate, mask, normalizer)),
-        row=pick(torch.arange(B, device=mask.device)[:, None].expand_as(mask)),
+        row=row,
         rows=B,
     )
 
@@ -172,35 +192,46 @@ def token_terms(config: GRPOConfig, x: TokenInputs, lp: torch.Tensor, sl: slice)
 
 
 def grpo_loss(h: torch.Tensor, head, y: torch.Tensor, x: TokenInputs, config: GRPOConfig, *, temperature: float,
-              chunk_size: int | None = None, softcap: float | None = None, fused: bool = True,
+              chunk_size: int | None = None, softcap: float | None = None, fused: bool | None = None,
               head_impl: str = "auto") -> LossOutput:
     """The loss of the trained tokens: h (N, H) hidden states that predict y (N,) through `head`.
 
-    fused (token-level ratios, plain Linear head): the gradient is formed chunk by chunk in the
-    forward (`fused_token_loss`); otherwise chunked log-probs + autograd. Same values either way.
+    fused False: the two-pass head (chunked log-probs and entropy, this loss once with autograd,
+    logits recomputed in backward). fused True (token-level ratios, plain Linear head): the
+    gradient is formed chunk by chunk in the forward (`fused_token_loss`). None: by kernel, fused
+    on the "cpu" one (where the extra logits pass of the two-pass head costs more than a per-chunk
+    loss graph: docs/benchmarks.md), two-pass on "gpu" / "triton" (where per-chunk launches and
+    graphs are the cost). Same values either way.
     head_impl: the chunk kernel of `model.logprobs`, "auto" | "cpu" | "gpu" | "triton".
     """
     opts = dict(temperature=temperature, chunk_size=chunk_size, head_impl=head_impl)
+    if fused is None:
+        fused = resolve_head_impl(head_impl, h.device) == "cpu"
     if fused and config.ratio_level == "token" and supports_fused(head, softcap):
         loss, logp, entropy = fused_token_loss(h, head, y, lambda lp, sl: token_terms(config, x, lp, sl)[0], **opts)
+        stats = None
     else:
         logp, entropy = logprobs_from_hidden(h, head, y, softcap=softcap, **opts)
-        loss = token_terms(config, x, logp, slice(None))[0].sum()
+        terms, stats = token_terms(config, x, logp, slice(None))
+        loss = terms.sum()
         logp = logp.detach()
-    return LossOutput(loss, grpo_metrics(config, x, loss, logp, entropy), logp)
+    return LossOutput(loss, grpo_metrics(config, x, loss, logp, entropy, stats), logp)
 
 
 @torch.no_grad()
 def grpo_metrics(config: GRPOConfig, x: TokenInputs, loss: torch.Tensor, logp: torch.Tensor,
-                 entropy: torch.Tensor) -> dict[str, float]:
-    """Loss, entropy, ratio and clip statistics of one (micro-)batch, in `combine_metrics`' form."""
-    _, st = token_terms(config, x, logp, slice(None))
-    ratio = torch.exp(st["log_ratio"])
-    mean = lambda t: t.float().mean().item()  # noqa: E731
-    out = dict(loss=loss.item(), entropy=mean(entropy), ratio_mean=mean(ratio), ratio_min=ratio.min().item(),
-               ratio_max=ratio.max().item(), clip_frac_low=mean(st["clipped_low"]),
-               clip_frac_high=mean(st["clipped_high"]), num_tokens=int(logp.numel()), num_sequences=x.rows)
-    out["clip_frac"] = out["clip_frac_low"] + out["clip_frac_high"]
+                 entropy: torch.Tensor, stats: dict | None = None) -> LazyMetrics:
+    """Loss, entropy, ratio and clip statistics of one (micro-)batch, in `combine_metrics`' form.
+
+    stats: `token_terms`' statistics of these log-probs when the loss already computed them.
+    The values are 0-dim tensors (no host sync) until the returned `LazyMetrics` is read."""
+    st = stats if stats is not None else token_terms(config, x, logp, slice(None))[1]
+    ratio = torch.exp(st["log_ratio"].detach())
+    mean = lambda t: t.detach().float().mean()  # noqa: E731
+    low, high = mean(st["clipped_low"]), mean(st["clipped_high"])
+    out = LazyMetrics(loss=loss.detach(), entropy=mean(entropy), ratio_mean=mean(ratio), ratio_min=ratio.min(),
+                      ratio_max=ratio.max(), clip_frac_low=low, clip_frac_high=high, num_tokens=int(logp.numel()),
+                      num_sequences=x.rows, clip_frac=low + high)
     if "kl" in st:
         out["kl"] = mean(st["kl"])
     if "tis" in st:
