@@ -328,3 +328,20 @@ def test_bad_options_are_named(student, tok, teacher):
         Distill(student, tok, student)
     with pytest.raises(ValueError, match="teacher="):
         Distill(student, tok, 3)
+
+
+def test_share_prefix_gives_the_same_loss_and_gradients(student, teacher, tok):
+    from SimpleTorchLLMRL.trainer.dpo import DPO
+
+    rollouts = make_rollouts(2, 3)
+    results = []
+    for share in (False, True):
+        student.zero_grad()
+        loss = Distill(student, tok, teacher, share_prefix=share).calculate_loss(rollouts)
+        loss = loss + DPO(student, tok, ref_model=teacher, share_prefix=share).calculate_loss(rollouts[:2],
+                                                                                              rollouts[1:3])
+        loss.backward()
+        results.append((float(loss), grads(student)))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-5, abs=1e-6)
+    for n, g in results[0][1].items():  # float32 summation order: within 1e-4 of each tensor's largest entry
+        torch.testing.assert_close(results[1][1][n], g, rtol=1e-4, atol=1e-4 * float(g.abs().max()) + 1e-12)

@@ -35,6 +35,7 @@ from SimpleTorchLLMRL.model.logprobs import (
     scatter_positions,
     token_logprobs,
 )
+from SimpleTorchLLMRL.model.shared_prefix import first_positions
 from SimpleTorchLLMRL.trainer import advantages as A
 from SimpleTorchLLMRL.trainer.batch import (
     ComputeOptions,
@@ -147,7 +148,8 @@ class Distill:
     `metadata["teacher_logprobs"]`, see `trainer.teacher`). teacher_tokenizer: the teacher's, when
     it is not the student's; refused unless it encodes the rollouts to the same ids with the same
     tokens (`trainer.teacher.check_teacher_tokenizer`). config / compute / overrides: `DistillConfig`
-    and `ComputeOptions` fields (chunk_size, head_impl, max_length, truncate).
+    and `ComputeOptions` fields (chunk_size, head_impl, share_prefix, max_length, truncate; `fused` is
+    GRPO's and has no effect here).
     """
 
     name = "Distill"
@@ -219,7 +221,7 @@ class Distill:
         if compute_old and missing:
             with torch.no_grad():
                 old = token_logprobs(self.model, batch, temperature, o.chunk_size, positions=mask,
-                                     head_impl=o.head_impl)
+                                     share_prefix=o.share_prefix, head_impl=o.head_impl)
         if sampled is not None:  # the sampler's log-probs are the old policy where known
             old = torch.where(torch.isnan(sampled), old if old is not None else torch.nan, sampled)
         metrics: dict = {"temperature": temperature}
@@ -248,7 +250,8 @@ class Distill:
         if not self._dropout_checked:
             self._dropout_checked = warn_if_dropout(self.name, self.model)
         norm = normalizer if normalizer is not None else db.normalizer
-        hidden = final_hidden_states(self.model, batch.input_ids, batch.attention_mask)  # (B, T, H)
+        start = first_positions(mask) if o.share_prefix else None  # (B,) first hidden state a row needs
+        hidden = final_hidden_states(self.model, batch.input_ids, batch.attention_mask, start=start)  # (B, T, H)
         select = mask[:, 1:].bool()  # (B, T-1): token t+1 is trained, predicted from position t
         h, y = hidden[:, :-1][select], batch.input_ids[:, 1:][select]  # (N, H), (N,)
         head, softcap = output_head(self.model), logit_softcap(self.model)

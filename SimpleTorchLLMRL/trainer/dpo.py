@@ -134,7 +134,7 @@ class DPO:
     ref_model: a frozen reference; None with a peft model: the same model with every adapter off
     (`model.adapters.use_adapter(model, None)`, peft's `disable_adapter()`), no second copy.
     config / overrides: `DPOConfig` (beta, variant, label_smoothing) and `ComputeOptions`
-    (chunk_size, head_impl, max_length, truncate) fields.
+    (chunk_size, head_impl, share_prefix, max_length, truncate) fields.
     """
 
     name = "DPO"
@@ -156,7 +156,8 @@ class DPO:
 
     def _logprobs(self, model, batch, mask):
         o = self.compute_options
-        return token_logprobs(model, batch, 1.0, o.chunk_size, positions=mask, head_impl=o.head_impl)
+        return token_logprobs(model, batch, 1.0, o.chunk_size, positions=mask, share_prefix=o.share_prefix,
+                              head_impl=o.head_impl)
 
     def prepare(self, chosen: list[Rollout], rejected: list[Rollout]) -> TrainBatch:
         """Encode the pairs (interleaved) and compute the reference's log-probs once."""

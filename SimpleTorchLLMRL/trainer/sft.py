@@ -63,7 +63,7 @@ class SFT:
     """Cross-entropy on the trainable tokens of `Rollout`s; `calculate_loss(rollouts)` returns a scalar tensor.
 
     aggregate: "token_mean" (default) | "sequence_mean_token_mean" | "token_sum_constant".
-    compute / overrides: `ComputeOptions` (chunk_size, head_impl, max_length, truncate).
+    compute / overrides: `ComputeOptions` (chunk_size, head_impl, share_prefix, max_length, truncate).
     """
 
     name = "SFT"
@@ -100,7 +100,8 @@ class SFT:
         if not self._dropout_checked:
             self._dropout_checked = warn_if_dropout(self.name, self.model)
         o = self.compute_options
-        logp = token_logprobs(self.model, tb.batch, 1.0, o.chunk_size, positions=tb.mask, head_impl=o.head_impl)
+        logp = token_logprobs(self.model, tb.batch, 1.0, o.chunk_size, positions=tb.mask,
+                               share_prefix=o.share_prefix, head_impl=o.head_impl)
         out = sft_loss(logprobs=logp, mask=tb.mask, aggregate=self.aggregate,
                        normalizer=normalizer if normalizer is not None else tb.normalizer)
         full = torch.where(tb.mask.bool(), out.logprobs.float(), torch.nan)
