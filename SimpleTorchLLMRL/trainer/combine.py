@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import torch
 
-SUMMED = frozenset({"loss", "policy_loss", "value_loss", "num_tokens", "num_sequences"})
+SUMMED = frozenset({"loss", "policy_loss", "value_loss", "num_tokens", "num_sequences",
+                    # DPO's per-pair means, each a share of the full batch's (divided by its pair count)
+                    "reward_accuracy", "reward_margin", "chosen_reward", "rejected_reward"})
 TOKEN_MEANS = frozenset({"entropy", "ratio_mean", "clip_frac_low", "clip_frac_high", "clip_frac", "kl",
-                         "tis_weight_mean", "value_mean", "return_mean", "advantage_mean"})
+                         "tis_weight_mean", "value_mean", "return_mean", "advantage_mean",
+                         "reverse_kl", "jsd", "nll"})  # distillation and SFT
 MINIMA = frozenset({"ratio_min"})
 MAXIMA = frozenset({"ratio_max"})
 

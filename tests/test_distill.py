@@ -1,0 +1,347 @@
+"""On-policy distillation: the loss units against float64 references written from their formulas, the
+teacher sources (HF model, vLLM engine, precomputed on the rollout), the tokenizer rule and micro-batching."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from SimpleTorchLLMRL.chat.message import Rollout
+from SimpleTorchLLMRL.chat.tokenize import rollouts_to_batch
+from SimpleTorchLLMRL.testing.tiny import TINY_CALC, tiny_tokenizer
+from SimpleTorchLLMRL.trainer.combine import combine_metrics
+from SimpleTorchLLMRL.trainer.distill import Distill
+from SimpleTorchLLMRL.trainer.distill_loss import (
+    distill_loss,
+    generalized_jsd,
+    jsd_loss,
+    reverse_kl_advantages,
+)
+from SimpleTorchLLMRL.trainer.losses import Clip
+from SimpleTorchLLMRL.trainer.teacher import attach_teacher_logprobs, hf_teacher_logprobs
+from tests.losses_helpers import (
+    assert_grads_close,
+    grads,
+    make_rollouts,
+    naive_logprobs,
+    perturbed_copy,
+    trained_positions,
+    with_sampled_logprobs,
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(TINY_CALC)
+
+
+@pytest.fixture
+def student():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(TINY_CALC, dtype=torch.float32)
+
+
+@pytest.fixture
+def teacher(student):
+    torch.manual_seed(1)
+    return perturbed_copy(student, 0.05).eval()
+
+
+def _tokens(seed=0, B=3, T=6, V=7):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(V, (B, T), generator=g)
+    teacher = torch.log_softmax(torch.randn(B, T, V, generator=g, dtype=torch.float64), -1).gather(-1, y[..., None])[..., 0]
+    mask = (torch.rand(B, T, generator=g) < 0.7).long()
+    mask[:, 0] = 0
+    mask[:, 1] = 1
+    return logits, y, teacher, mask
+
+
+# ---------------------------------------------------------------- the reverse-KL unit
+
+
+@pytest.mark.parametrize("clip, rl, aggregate", [(None, False, "token_mean"), (Clip(0.2, 0.2), True, "token_mean"),
+                                                 (None, True, "sequence_mean_token_mean")])
+def test_distill_loss_matches_float64_reference(clip, rl, aggregate):
+    logits, y, teacher, mask = _tokens()
+    lp = torch.log_softmax(logits, -1).gather(-1, y[..., None])[..., 0]  # (B, T) float64
+    old = (lp.detach() + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(4),
+                                           dtype=torch.float64)).clamp(max=0)
+    adv_rl = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64) if rl else None
+    out = distill_loss(logprobs=lp, teacher_logprobs=teacher, mask=mask, old_logprobs=old, advantages=adv_rl,
+                       kl_coef=0.7, clip=clip, aggregate=aggregate)
+    (g,) = torch.autograd.grad(out.loss, logits)
+
+    # reference: A_t = -kl_coef (log p_old - log p_teacher) + A_rl; loss = -A r (or PPO-clip), aggregated
+    ref_loss = torch.zeros((), dtype=torch.float64)
+    lp2 = torch.log_softmax(logits, -1).gather(-1, y[..., None])[..., 0]
+    rows = []
+    for b in range(3):
+        terms = []
+        for t in range(6):
+            if not mask[b, t]:
+                continue
+            a = -0.7 * (old[b, t] - teacher[b, t]) + (adv_rl[b] if rl else 0.0)
+            r = torch.exp(lp2[b, t] - old[b, t])
+            term = -a * r if clip is None else -torch.minimum(r * a, torch.clamp(r, 0.8, 1.2) * a)
+            terms.append(term)
+        rows.append(terms)
+    if aggregate == "token_mean":
+        ref_loss = sum(t for row in rows for t in row) / sum(len(row) for row in rows)
+    else:
+        ref_loss = sum(sum(row) / len(row) for row in rows) / len(rows)
+    (g_ref,) = torch.autograd.grad(ref_loss, logits)
+    # float32 aggregation weights (1 / count) are the only rounding
+    torch.testing.assert_close(out.loss, ref_loss, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-9)
+    m = mask.bool()
+    assert float(out.metrics["reverse_kl"]) == pytest.approx(float((old - teacher)[m].mean()), rel=1e-6)
+    assert int(out.metrics["num_tokens"]) == int(m.sum())
+
+
+def test_expected_gradient_is_the_gradient_of_the_reverse_kl():
+    """Summed over every token y with weight p_student(y), the unit's loss is KL(p_s || p_t) and its gradient
+    is d KL(p_s || p_t) / d logits, computed from the full distributions: the on-policy distillation objective."""
+    g = torch.Generator().manual_seed(0)
+    V = 6
+    z = torch.randn(V, generator=g, dtype=torch.float64, requires_grad=True)
+    zt = torch.randn(V, generator=g, dtype=torch.float64)
+    ps, lt = torch.softmax(z, 0), torch.log_softmax(zt, 0)
+    exact = (ps * (torch.log_softmax(z, 0) - lt)).sum()
+    (g_exact,) = torch.autograd.grad(exact, z)
+    value, grad = 0.0, torch.zeros(V, dtype=torch.float64)
+    for y in range(V):
+        lp = torch.log_softmax(z, 0)[y].view(1, 1)  # one sampled token, on-policy
+        out = distill_loss(logprobs=lp, teacher_logprobs=lt[y].view(1, 1), mask=torch.ones(1, 1))
+        (gy,) = torch.autograd.grad(out.loss, z)
+        w = float(ps[y].detach())
+        value, grad = value + w * float(out.loss), grad + w * gy
+    assert value == pytest.approx(float(exact), rel=1e-12)
+    torch.testing.assert_close(grad, g_exact, rtol=1e-10, atol=1e-12)
+
+
+def test_reverse_kl_advantages_are_detached_and_masked():
+    lp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    a = reverse_kl_advantages(student_logprobs=lp, teacher_logprobs=torch.tensor([[-1.5, -1.0, -0.5]]),
+                              mask=torch.tensor([[0, 1, 1]]))
+    assert a.tolist() == [[0.0, 1.0, 0.0]] and not a.requires_grad  # -(-2 - (-1))
+
+
+def test_teacher_nan_on_a_trained_token_is_refused():
+    lp = torch.zeros(1, 3)
+    with pytest.raises(ValueError, match="NaN on a trained token"):
+        distill_loss(logprobs=lp, teacher_logprobs=torch.tensor([[0.0, math.nan, -1.0]]), mask=torch.ones(1, 3))
+    out = distill_loss(logprobs=lp, teacher_logprobs=torch.tensor([[math.nan, -1.0, -1.0]]),
+                       mask=torch.tensor([[0, 1, 1]]))
+    assert torch.isfinite(out.loss)
+
+
+# ---------------------------------------------------------------- generalized JSD
+
+
+def _kl(p_log, q_log):
+    return (p_log.exp() * (p_log - q_log)).sum(-1)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_generalized_jsd_matches_its_definition(beta):
+    g = torch.Generator().manual_seed(2)
+    zs, zt = torch.randn(5, 9, generator=g, dtype=torch.float64), torch.randn(5, 9, generator=g, dtype=torch.float64)
+    s, t = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
+    if beta == 0.0:
+        ref = _kl(t, s)  # forward KL(teacher || student)
+    elif beta == 1.0:
+        ref = _kl(s, t)  # reverse KL(student || teacher)
+    else:
+        m = torch.log(beta * t.exp() + (1 - beta) * s.exp())
+        ref = beta * _kl(t, m) + (1 - beta) * _kl(s, m)
+    torch.testing.assert_close(generalized_jsd(zs, zt, beta), ref, rtol=1e-12, atol=1e-14)
+    assert (generalized_jsd(zs, zs, beta).abs() < 1e-12).all()
+
+
+def test_jsd_loss_chunked_matches_float64_reference():
+    g = torch.Generator().manual_seed(3)
+    N, H, V = 7, 5, 11
+    head = torch.nn.Linear(H, V, bias=False)
+    teacher_head = torch.nn.Linear(H + 1, V, bias=False)
+    h = torch.randn(N, H, generator=g, requires_grad=True)
+    ht = torch.randn(N, H + 1, generator=g)
+    y = torch.randint(V, (N,), generator=g)
+    w = torch.rand(N, generator=g)
+    out = jsd_loss(hidden=h, head=head, teacher_hidden=ht, teacher_head=teacher_head, targets=y, weight=w,
+                   beta=0.3, temperature=0.7, chunk_size=3)
+    out.loss.backward()
+    h64, W64 = h.detach().double().requires_grad_(), head.weight.detach().double().requires_grad_()
+    zs, zt = h64 @ W64.T / 0.7, ht.double() @ teacher_head.weight.detach().double().T / 0.7
+    s, t = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
+    m = torch.log(0.3 * t.exp() + 0.7 * s.exp())
+    ref = ((0.3 * _kl(t, m) + 0.7 * _kl(s, m)) * w.double()).sum()
+    ref.backward()
+    torch.testing.assert_close(out.loss.double(), ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(head.weight.grad.double(), W64.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(out.logprobs.double(), s.gather(1, y[:, None])[:, 0], rtol=1e-5, atol=1e-6)
+    assert teacher_head.weight.grad is None
+
+
+# ---------------------------------------------------------------- the front on the tiny model
+
+
+def _reference(student, teacher, batch, mask, old=None, adv=None, kl_coef=1.0):
+    """float64 copies: loss = sum over trained tokens of -A r / count; A = -kl_coef (log p_old - log p_t) + adv."""
+    s64, t64 = copy.deepcopy(student).double(), copy.deepcopy(teacher).double()
+    lp = naive_logprobs(s64, batch)
+    with torch.no_grad():
+        lt = naive_logprobs(t64, batch)
+    o = lp.detach() if old is None else torch.where(torch.isnan(old), lp.detach(), old.double())
+    a = -kl_coef * (o - lt) + (0 if adv is None else adv.double()[:, None])
+    m = mask.bool()
+    loss = (-a * torch.exp(lp - o))[m].sum() / m.sum()
+    loss.backward()
+    return loss, {n: p.grad for n, p in s64.named_parameters()}
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_distill_front_matches_float64_reference(student, teacher, tok, sampled):
+    rollouts = make_rollouts(2, 2)
+    if sampled:
+        rollouts = with_sampled_logprobs(rollouts, perturbed_copy(student, 0.02), tok, 1.0)  # off-policy a little
+    distill = Distill(student, tok, teacher, kl_coef=0.5)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    loss = distill.calculate_loss(rollouts, rewards)
+    loss.backward()
+    batch = rollouts_to_batch(rollouts, tok)
+    mask = trained_positions(batch)
+    std = float(torch.tensor([1.0, 0.0], dtype=torch.float64).std())  # each group of 2 holds rewards {1, 0}
+    adv = torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=torch.float64) / (std + 1e-4)  # GRPO: (r - mean) / (std + eps)
+    ref, g_ref = _reference(student, teacher, batch, mask, batch.sampler_logprobs, adv, kl_coef=0.5)
+    assert float(loss) == pytest.approx(float(ref), rel=1e-4, abs=1e-5)
+    assert_grads_close(grads(student), g_ref, rtol=1e-3, atol=1e-5)
+
+
+def test_distill_micro_batches_sum_to_the_full_batch(student, teacher, tok):
+    rollouts = make_rollouts(2, 3)
+    distill = Distill(student, tok, teacher)
+    prepared = distill.prepare(rollouts)
+    full = distill.compute(prepared)
+    full.loss.backward()
+    g_full = grads(student)
+    student.zero_grad()
+    parts = []
+    for mb in prepared.split(4):
+        out = distill.compute(mb)
+        out.loss.backward()
+        parts.append(out.metrics)
+    assert_grads_close(grads(student), g_full, rtol=1e-4, atol=1e-6)
+    combined = combine_metrics(parts)
+    for key in ("loss", "reverse_kl", "entropy", "advantage_mean", "num_tokens", "ratio_min"):
+        assert float(combined[key]) == pytest.approx(float(full.metrics[key]), rel=1e-5, abs=1e-6), key
+
+
+def test_jsd_front_matches_float64_reference_and_micro_batches(student, teacher, tok):
+    rollouts = make_rollouts(2, 2)
+    distill = Distill(student, tok, teacher, divergence="jsd", jsd_beta=0.5, chunk_size=5)
+    prepared = distill.prepare(rollouts)
+    distill.compute(prepared).loss.backward()
+    g_full = grads(student)
+    s64, t64 = copy.deepcopy(student).double(), copy.deepcopy(teacher).double()
+    batch = prepared.batch
+    zs = s64(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    with torch.no_grad():
+        zt = t64(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    sel = prepared.mask[:, 1:].bool()
+    s, t = torch.log_softmax(zs[sel], -1), torch.log_softmax(zt[sel], -1)
+    m = torch.log(0.5 * t.exp() + 0.5 * s.exp())
+    ref = (0.5 * _kl(t, m) + 0.5 * _kl(s, m)).mean()
+    ref.backward()
+    assert float(distill.metrics["loss"]) == pytest.approx(float(ref), rel=1e-4)
+    assert_grads_close(g_full, {n: p.grad for n, p in s64.named_parameters()}, rtol=1e-3, atol=1e-6)
+    student.zero_grad()
+    for mb in prepared.split(2):
+        distill.compute(mb).loss.backward()
+    assert_grads_close(grads(student), g_full, rtol=1e-4, atol=1e-7)
+
+
+def test_teacher_equal_to_student_gives_zero_reverse_kl(student, tok):
+    distill = Distill(student, tok, copy.deepcopy(student))
+    loss = distill.calculate_loss(make_rollouts(2, 2))
+    loss.backward()
+    assert abs(float(distill.metrics["reverse_kl"])) < 1e-6 and abs(float(loss)) < 1e-6
+    assert max(float(p.grad.abs().max()) for p in student.parameters() if p.grad is not None) < 1e-6
+    jsd = Distill(student, tok, copy.deepcopy(student), divergence="jsd")
+    assert abs(float(jsd.calculate_loss(make_rollouts(1, 2)))) < 1e-6
+
+
+def test_a_teacher_with_another_tokenizer_is_refused(student, tok):
+    other = tiny_tokenizer("chatml")  # another vocabulary, the same template
+    distill = Distill(student, tok, copy.deepcopy(student), teacher_tokenizer=other)
+    with pytest.raises(ValueError, match="teacher's tokenizer"):
+        distill.calculate_loss(make_rollouts(1, 2))
+    same = Distill(student, tok, copy.deepcopy(student), teacher_tokenizer=AutoTokenizer.from_pretrained(TINY_CALC))
+    assert torch.isfinite(same.calculate_loss(make_rollouts(1, 2)))  # the same tokenizer loaded again passes
+
+
+def test_precomputed_teacher_logprobs_on_the_rollouts(student, teacher, tok):
+    rollouts = with_sampled_logprobs(make_rollouts(2, 2), student, tok, 1.0)
+    batch = rollouts_to_batch(rollouts, tok)
+    mask = trained_positions(batch)
+    scored = hf_teacher_logprobs(teacher, batch, mask)
+    attach_teacher_logprobs(rollouts, batch, scored, mask)
+    stored = [Rollout.from_dict(r.to_dict()) for r in rollouts]  # survives a rollout file (plain JSON)
+    assert stored[0].metadata["teacher_logprobs"][0] is None  # the system message
+    from_rollouts = Distill(student, tok, "rollouts").prepare(stored)
+    from_model = Distill(student, tok, teacher).prepare(rollouts)
+    assert torch.equal(from_rollouts.teacher_logprobs, from_model.teacher_logprobs)
+    bare = make_rollouts(1, 1)
+    with pytest.raises(ValueError, match="no metadata\\['teacher_logprobs'\\]"):
+        Distill(student, tok, "rollouts").prepare(bare)
+
+
+def test_fake_vllm_teacher_matches_the_hf_teacher(student, tok, monkeypatch):
+    from tests.fake_vllm import install_fake_vllm
+
+    vllm = install_fake_vllm(monkeypatch)
+    llm = vllm.LLM(str(TINY_CALC))  # the same weights as a fresh student
+    rollouts = with_sampled_logprobs(make_rollouts(2, 2), student, tok, 1.0)
+    from_engine = Distill(student, tok, llm).prepare(rollouts)
+    from_hf = Distill(student, tok, copy.deepcopy(student)).prepare(rollouts)
+    m = from_hf.mask.bool()
+    assert (from_engine.teacher_logprobs[~m] == 0).all()
+    torch.testing.assert_close(from_engine.teacher_logprobs[m], from_hf.teacher_logprobs[m], rtol=0, atol=2e-5)
+    with pytest.raises(ValueError, match="temperature 1"):
+        Distill(student, tok, llm).prepare(with_sampled_logprobs(make_rollouts(1, 2), student, tok, 0.7))
+
+
+def test_bad_options_are_named(student, tok, teacher):
+    with pytest.raises(ValueError, match="divergence"):
+        Distill(student, tok, teacher, divergence="kl")
+    with pytest.raises(ValueError, match="unknown options"):
+        Distill(student, tok, teacher, beta=0.1)
+    with pytest.raises(ValueError, match="full distribution"):
+        Distill(student, tok, "rollouts", divergence="jsd")
+    with pytest.raises(ValueError, match="student itself"):
+        Distill(student, tok, student)
+    with pytest.raises(ValueError, match="teacher="):
+        Distill(student, tok, 3)
+
+
+def test_share_prefix_gives_the_same_loss_and_gradients(student, teacher, tok):
+    from SimpleTorchLLMRL.trainer.dpo import DPO
+
+    rollouts = make_rollouts(2, 3)
+    results = []
+    for share in (False, True):
+        student.zero_grad()
+        loss = Distill(student, tok, teacher, share_prefix=share).calculate_loss(rollouts)
+        loss = loss + DPO(student, tok, ref_model=teacher, share_prefix=share).calculate_loss(rollouts[:2],
+                                                                                              rollouts[1:3])
+        loss.backward()
+        results.append((float(loss), grads(student)))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-5, abs=1e-6)
+    for n, g in results[0][1].items():  # float32 summation order: within 1e-4 of each tensor's largest entry
+        torch.testing.assert_close(results[1][1][n], g, rtol=1e-4, atol=1e-4 * float(g.abs().max()) + 1e-12)
