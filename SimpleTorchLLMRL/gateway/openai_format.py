@@ -279,6 +279,13 @@ def to_message(turn: dict) -> Message:
 # ----------------------------------------------------------------------------- replies
 
 
+def without_stop(text: str, stops) -> str:
+    """The text up to the first of the request's stop strings (OpenAI leaves the stop out of what it returns;
+    the recorded ids and MODEL message keep it, as sampled)."""
+    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=len(text))
+    return text[:cut]
+
+
 def reply_view(text: str, tools: list[dict] | None, parsers: Sequence | None = None):
     """(content, tool_calls) the client is shown for a sampled text: with tools, well-formed calls become
     OpenAI tool_calls and leave the content; any malformed call leaves the whole text as content."""
