@@ -3,6 +3,9 @@
 - A client that hangs up on POST /v1/completions (streamed or not) must stop its rows, as chat calls do:
   before, the abandoned generation ran to max_tokens and every other session waited behind it.
 - /v1/completions refuses a field it does not know (OpenAI's `unknown_parameter`), never ignores it.
+- A chat request's own `stop` string is left out of the content, as OpenAI does (smolagents'
+  `OpenAIServerModel` relies on it); the returned and recorded ids keep it, as sampled, and the client's
+  replay of the shorter content still merges into the same rollout.
 """
 
 import json
@@ -15,12 +18,13 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from gateway_helpers import load_calc  # noqa: E402
+from gateway_helpers import load_calc, start  # noqa: E402
 
 from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
 
 EOS = 2  # <|im_end|> of the embedded model
+NO_TOOL_CALL = {"30": -100}  # "<": greedy then answers \boxed{...} instead of opening a tool call
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +91,36 @@ def test_completions_refuse_a_field_they_do_not_know(served):
     assert e.value.body["param"] == "stream_options"
     ok = c.completions.create(model="policy", prompt="1 + 1 =", max_tokens=2, user="someone")  # no effect: accepted
     assert ok.usage.completion_tokens <= 2
+
+
+# ----------------------------------------------------------------------------- chat `stop`
+
+
+def test_a_chat_stop_string_is_left_out_of_the_content_but_not_the_ids(served):
+    gw, url = served
+    tok = gw.generator.tokenizer
+    c = client(url, "stop-1")
+    ask = dict(model="policy", temperature=0, stop=["}"], logit_bias=NO_TOOL_CALL)
+    reply = c.chat.completions.create(messages=start(), extra_body={"return_token_ids": True}, **ask)
+    choice, ids = reply.choices[0], reply.choices[0].model_extra["token_ids"]
+    sampled = tok.decode(ids, skip_special_tokens=True)
+    assert choice.finish_reason == "stop" and sampled.endswith("}"), sampled  # the scenario: "}" ended the turn
+    assert choice.message.content == sampled[:-1] and "}" not in choice.message.content
+    streamed = client(url, "stop-1-stream").chat.completions.create(messages=start(), stream=True, **ask)
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == choice.message.content
+    # the recorded MODEL message keeps what was sampled; the client's replay of the shorter text merges
+    turn = [*start(), {"role": "assistant", "content": choice.message.content}, {"role": "user", "content": "Sure?"}]
+    again = c.chat.completions.create(model="policy", messages=turn, max_tokens=5,
+                                      extra_body={"return_token_ids": True})
+    [rollout] = gw.rollouts("stop-1")
+    model_turns = [m for m in rollout if m.token_ids is not None]
+    assert [m.token_ids for m in model_turns] == [ids, again.choices[0].model_extra["token_ids"]]
+    assert model_turns[0].content == sampled and model_turns[0].is_trainable
+
+
+def test_a_chat_stop_that_is_not_a_list_of_strings_is_a_400_naming_it(served):
+    _, url = served
+    for stop in ([1], [""], ["a", "b", "c", "d", "e"]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client(url, "stop-bad").chat.completions.create(model="policy", messages=start(), stop=stop)
+        assert e.value.body["param"] == "stop", stop
