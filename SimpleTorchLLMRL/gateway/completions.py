@@ -28,7 +28,9 @@ from SimpleTorchLLMRL.gateway.openai_format import (
     sampling_controls,
     sse_response,
     top_logprobs,
+    without_stop,
 )
+from SimpleTorchLLMRL.gateway.streaming import Listener, until_disconnect
 from SimpleTorchLLMRL.model.sampling import SamplingConfig
 
 MAX_PROMPTS = 64
@@ -36,6 +38,11 @@ MAX_LOGPROBS = 5  # OpenAI's legacy limit on `logprobs`
 # fields of the legacy API this gateway does not honour: refused with a 400 naming them when set to
 # anything but their no-op value
 REFUSED = {"suffix": (None, ""), "echo": (None, False)}
+# every other field it knows: honoured below, or (`user`, `metadata`) accepted without effect; any field not
+# here or in REFUSED is refused as OpenAI refuses it, never silently ignored
+KNOWN = frozenset({"model", "prompt", "max_tokens", "temperature", "top_p", "n", "best_of", "stop", "seed", "stream",
+                   "stream_options", "logprobs", "return_token_ids", "logit_bias", "frequency_penalty",
+                   "presence_penalty", "user", "metadata"})
 
 
 @dataclass
@@ -77,6 +84,10 @@ def parse_completion(body, model_name: str, defaults: SamplingConfig, vocab_size
     """Validate a /v1/completions body. Options it leaves out keep the generator's (tool-call stops do not
     apply: a text completion has no tools); logit_bias ids must be below `vocab_size` when given."""
     check_body(body, model_name)
+    for key in body:
+        if key not in KNOWN and key not in REFUSED:
+            raise RequestError(400, f"Unrecognized request argument supplied: {key}", code="unknown_parameter",
+                               param=key)
     for key, allowed in REFUSED.items():
         if key in body and body[key] not in allowed:
             raise bad(f"'{key}' is not supported by this gateway's /v1/completions; leave it out", key)
@@ -101,6 +112,9 @@ def parse_completion(body, model_name: str, defaults: SamplingConfig, vocab_size
     except ValueError as e:
         raise bad(str(e)) from e
     options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not set(options) <= {"include_usage", "include_obfuscation"}:
+        raise bad(f"'stream_options' must be an object of include_usage and include_obfuscation, got {options!r:.80}",
+                  "stream_options")
     return CompletionRequest(prompts=prompts, sampling=sampling, n=n, seed=int_field(body, "seed", 0, MAX_SEED, None),
                              stream=bool(body.get("stream")),
                              include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
@@ -128,12 +142,6 @@ def encode(prompts: list[str | list[int]], tokenizer, max_context: int | None, m
                       "context_length_exceeded")
         out.append(list(p))
     return out
-
-
-def without_stop(text: str, stops) -> str:
-    """The text up to the first stop string (OpenAI leaves it out; the recorded ids keep it, as sampled)."""
-    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=len(text))
-    return text[:cut]
 
 
 def legacy_logprobs(tokenizer, msg, top: list | None) -> dict:
@@ -168,6 +176,19 @@ def stream_chunks(full: dict, include_usage: bool) -> list[dict]:
     return chunks
 
 
+async def generate(gateway, req: CompletionRequest, prompt_ids: list[list[int]]) -> list:
+    """One batcher job per prompt; their messages (or exceptions). Cancelled (the client hung up), the jobs'
+    rows stop within a few decode steps, as a chat call's do."""
+    jobs = [Job(None, req.sampling, req.n, req.seed, ids, Listener(asyncio.get_running_loop(), stream=False))
+            for ids in prompt_ids]
+    try:
+        return await asyncio.gather(*[gateway.batcher.submit(job) for job in jobs], return_exceptions=True)
+    except BaseException:
+        for job in jobs:
+            job.listener.cancel()
+        raise
+
+
 def completions_route(gateway, error):
     """The FastAPI endpoint of POST /v1/completions over `gateway` (a `Gateway`)."""
     from fastapi import Request
@@ -183,15 +204,14 @@ def completions_route(gateway, error):
                 raise bad("logprobs > 0 needs the HF backend (this gateway runs vLLM); use logprobs: 0", "logprobs")
             prompt_ids = await asyncio.to_thread(encode, req.prompts, generator.tokenizer, generator.max_context,
                                                  req.sampling.max_new_tokens)
-            results = await asyncio.gather(*[gateway.batcher.submit(Job(None, req.sampling, req.n, req.seed, ids))
-                                             for ids in prompt_ids], return_exceptions=True)
+            results = await until_disconnect(request, generate(gateway, req, prompt_ids))
+            if results is None:  # the client left before its answer was ready: its rows stopped
+                return JSONResponse({}, status_code=499)
             for r in results:
                 if isinstance(r, ValueError):
                     raise bad(str(r)) from r
                 if isinstance(r, BaseException):
                     raise r
-            if await request.is_disconnected():
-                return JSONResponse({}, status_code=499)
             choices = []
             for ids, replies in zip(prompt_ids, results, strict=True):
                 for msg in replies:

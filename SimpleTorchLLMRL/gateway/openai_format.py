@@ -69,6 +69,7 @@ class ChatRequest:
     template_kwargs: dict = field(default_factory=dict)
     tool_choice: str = "auto"  # "auto", "none", "required" or "function" (gateway.fields)
     tool_function: str | None = None  # the function a named tool_choice forces
+    stop: tuple[str, ...] = ()  # the request's own stop strings: left out of the content it is shown (OpenAI's)
 
 
 # ----------------------------------------------------------------------------- requests
@@ -238,14 +239,16 @@ def parse_request(body: Any, model_name: str, defaults: SamplingConfig, vocab_si
     max_tokens = int_field(body, "max_completion_tokens", 1, None, None)
     max_tokens = int_field(body, "max_tokens", 1, None, max_tokens if max_tokens is not None else defaults.max_new_tokens)
     stop = body.get("stop")
-    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and len(stop) <= 4)):
-        raise bad("'stop' must be a string or a list of at most 4 strings", "stop")
+    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and len(stop) <= 4
+                                                           and all(isinstance(s, str) and s for s in stop))):
+        raise bad("'stop' must be a string or a list of at most 4 non-empty strings", "stop")
+    stop = tuple([stop] if isinstance(stop, str) else stop or [])
     controls = sampling_controls(body, defaults, vocab_size)
     try:
         sampling = SamplingConfig(
             max_new_tokens=max_tokens, temperature=number_field(body, "temperature", 0, 2, defaults.temperature),
             do_sample=defaults.do_sample, top_p=number_field(body, "top_p", 0, 1, defaults.top_p) or None,
-            top_k=defaults.top_k, stop=tuple(defaults.stop) + tuple([stop] if isinstance(stop, str) else stop or []),
+            top_k=defaults.top_k, stop=tuple(defaults.stop) + stop,
             tool_call_stop=defaults.tool_call_stop, eos_token_ids=defaults.eos_token_ids,
             grammar=grammar if grammar is not None else defaults.grammar, **controls)
     except ValueError as e:
@@ -266,7 +269,7 @@ def parse_request(body: Any, model_name: str, defaults: SamplingConfig, vocab_si
                        include_usage=bool(stream_options.get("include_usage")),
                        logprobs=bool(body.get("logprobs")), top_logprobs=top,
                        return_token_ids=bool(body.get("return_token_ids")), template_kwargs=kwargs,
-                       tool_choice=tool_choice, tool_function=tool_function)
+                       tool_choice=tool_choice, tool_function=tool_function, stop=stop)
 
 
 def to_message(turn: dict) -> Message:
@@ -277,6 +280,19 @@ def to_message(turn: dict) -> Message:
 
 
 # ----------------------------------------------------------------------------- replies
+
+
+def without_stop(text: str, stops) -> str:
+    """The text up to the first of the request's stop strings (OpenAI leaves the stop out of what it returns;
+    the recorded ids and MODEL message keep it, as sampled)."""
+    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+def shown_text(msg: Message, stops: Sequence[str]) -> str:
+    """The sampled text of a reply as the client gets it: without the request's own stop string where one
+    ended it (a generator's own stop strings and tool-call stops stay: they are the model's text)."""
+    return without_stop(msg.content, stops) if stops and msg.finish_reason == "stop" else msg.content
 
 
 def reply_view(text: str, tools: list[dict] | None, parsers: Sequence | None = None):

@@ -36,6 +36,7 @@ from SimpleTorchLLMRL.gateway.openai_format import (
     new_id,
     parse_request,
     reply_view,
+    shown_text,
     top_logprobs,
 )
 from SimpleTorchLLMRL.gateway.routes import http_protocol
@@ -276,7 +277,7 @@ class Gateway:
                     raise bad(str(e)) from e
                 choices, shown = [], []
                 for i, msg in enumerate(replies):
-                    content, calls = reply_view(msg.content, req.tools, self.tool_parsers)
+                    content, calls = reply_view(shown_text(msg, req.stop), req.tools, self.tool_parsers)
                     shown.append(shown_view(content, calls))
                     choices.append(await self._choice(i, msg, content, calls, prompt_ids, req))
                 for i, row in enumerate(rows):
@@ -298,7 +299,7 @@ class Gateway:
 
     def _row_text(self, req: ChatRequest) -> RowText:
         openings = tool_openings(self.tool_parsers) if req.tools else ()
-        return RowText(self.generator.tokenizer, req.sampling, openings)
+        return RowText(self.generator.tokenizer, req.sampling, openings, hide=req.stop)
 
     async def _complete(self, name: str, req: ChatRequest, request, explicit: bool | None = None,
                         on_record=None) -> dict:

@@ -97,6 +97,7 @@ class RowText:
     sent: str = ""  # what was shown
     _prefix: int = 0  # incremental decoding: ids[_prefix:_read] decode to the text's last piece
     _read: int = 0
+    hide: tuple[str, ...] = ()  # stop strings never shown (the request's own: OpenAI leaves them out)
 
     def feed(self, ids: Sequence[int]) -> str:
         """Take the row's next ids; returns the text that may be shown now and was not yet."""
@@ -129,6 +130,9 @@ class RowText:
         if self.openings is None:
             return ""
         safe = self.text
+        if self.hide:  # a hidden stop string is whole only where it ended the row
+            at = min((i for i in (safe.find(h) for h in self.hide) if i >= 0), default=len(safe))
+            safe = safe[:at]
         if self.openings:
             at = min((i for i in (safe.find(o) for o in self.openings) if i >= 0), default=-1)
             if at >= 0:
