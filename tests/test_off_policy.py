@@ -14,7 +14,7 @@ from losses_helpers import assert_grads_close, grads, make_rollouts, naive_logpr
 from SimpleTorchLLMRL.chat.message import MessageType
 from SimpleTorchLLMRL.trainer.combine import combine_metrics
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
-from SimpleTorchLLMRL.trainer.off_policy import OffPolicy
+from SimpleTorchLLMRL.trainer.off_policy import OffPolicy, correction_weights
 from SimpleTorchLLMRL.trainer.PPO import PPO
 
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 2.0])
@@ -250,6 +250,22 @@ def test_ppo_on_policy_correction_changes_nothing(qwen2_model, chatml_tokenizer)
                                rtol=1e-5, atol=1e-7)
     assert corrected.metrics["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
     assert corrected.metrics["offpolicy_masked_frac"] == 0
+
+
+def test_deepseek_mask_reads_the_current_policy_and_the_advantage_sign():
+    """Two rollouts of two tokens; the KL is mean_t (log pi_sampler - log pi_current), not the trainer's old."""
+    sampled = torch.tensor([-1.0, -1.0, -1.0, -1.0])
+    old = sampled.clone()  # trainer == sampler at sampling time: rho = 1
+    current = torch.tensor([-1.5, -1.5, -1.5, -1.5])  # the policy moved: KL estimate 0.5 on both rollouts
+    row = torch.tensor([0, 0, 1, 1])
+    adv = torch.tensor([-1.0, -1.0, 1.0, 1.0])
+    w, stats = correction_weights(OffPolicy.deepseek(0.4), old, sampled, row, 2, adv, current)
+    assert w.tolist() == [0.0, 0.0, 1.0, 1.0] and stats["row_masked"].tolist() == [True, False]
+    w, _ = correction_weights(OffPolicy.deepseek(0.6), old, sampled, row, 2, adv, current)
+    assert w.tolist() == [1.0, 1.0, 1.0, 1.0]
+    unknown = torch.tensor([-1.0, float("nan"), -1.0, -1.0])  # an unknown token is left out of the mean
+    w, _ = correction_weights(OffPolicy.deepseek(0.4), old, unknown, row, 2, adv, current)
+    assert w.tolist() == [0.0, 0.0, 1.0, 1.0]
 
 
 # ---------------------------------------------------------------- combining
