@@ -186,7 +186,9 @@ def train_step(run: Run, step: int, rollouts: list, rewards: torch.Tensor) -> di
             "loss": metrics["loss"], "entropy": metrics["entropy"], "clip_frac": metrics["clip_frac"],
             "frac_zero_advantage": metrics["frac_zero_advantage"], "grad_norm": grad_norm,
             "staleness": metrics.get("staleness_mean", 0.0), "lr": run.scheduler.get_last_lr()[0],
-            **{f"drift/{k}": v for k, v in drift.items()}}
+            **{f"drift/{k}": v for k, v in drift.items()},
+            # sampler vs trainer: KL k1 / k3, chi-square, ESS, perplexity ratio (trainer/off_policy.py)
+            **{f"offpolicy/{k[len('offpolicy_'):]}": v for k, v in metrics.items() if k.startswith("offpolicy_")}}
 
 
 # ---- 5. evaluate

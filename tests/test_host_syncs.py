@@ -24,12 +24,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from SimpleTorchLLMRL.model import head_triton
 from SimpleTorchLLMRL.trainer.combine import LazyMetrics, combine_metrics
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
+from SimpleTorchLLMRL.trainer.off_policy import OffPolicy
 from SimpleTorchLLMRL.trainer.PPO import PPO
 
 SYNC_OPS = {"_local_scalar_dense", "item", "nonzero", "allclose", "equal", "is_nonzero", "masked_select"}
 BOOL_INDEXED = {"index", "index_put", "index_put_", "_index_put_impl_"}  # a bool index is a nonzero inside
 REWARDS = [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
 IMPLS = ["cpu", "gpu"] + (["triton"] if head_triton.interpreting() else [])
+OFF_POLICY = {"icepop": OffPolicy.icepop(0.8, 1.25), "sequence_truncate": OffPolicy("sequence", "truncate", high=2.0),
+              "geometric_mask": OffPolicy.geometric_mask(0.9, 1.1),
+              "token_reject_deepseek": OffPolicy("token", "reject", 0.8, 1.25, kl_threshold=0.01)}
 OPS_PER_EXTRA_CHUNK = 45  # measured 39 (two GEMMs of pass 1 and 2 each, the softmax and gradient passes, views)
 
 
@@ -92,6 +96,35 @@ def test_grpo_loss_and_backward_wait_for_nothing(loss_type, fused, impl, setup):
     assert isinstance(metrics["loss"], float) and metrics["loss"] == pytest.approx(float(loss.detach()), rel=1e-6)
     assert isinstance(metrics["num_tokens"], int) and metrics["num_tokens"] == int(prepared.mask[:, 1:].sum())
     assert 0 <= metrics["clip_frac"] <= 1 and metrics["kl"] >= 0 and metrics["tis_weight_mean"] <= 2.0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fused", [None, False])
+@pytest.mark.parametrize("name", list(OFF_POLICY))
+def test_off_policy_correction_and_its_metrics_wait_for_nothing(name, fused, impl, setup):
+    """Every off-policy option on, GRPO (prepared, then micro-batches) and PPO: zero syncs, metrics read after."""
+    model, tok, rollouts = setup
+    grpo = GRPO(model, tok, group_size=3, off_policy=OFF_POLICY[name], fused=fused, head_impl=impl, chunk_size=8)
+    ppo = PPO(model, tok, off_policy=OFF_POLICY[name], head_impl=impl, chunk_size=8)
+    prepared, ppo_prepared = grpo.prepare(rollouts, REWARDS), ppo.prepare(rollouts, REWARDS)
+    parts = prepared.split(3)
+    grpo.calculate_loss(prepared).backward()  # the once-per-model checks run here
+    model.zero_grad()
+    with SyncCounter() as counter:
+        full = grpo.compute(prepared)
+        full.loss.backward()
+        outs = [grpo.compute(mb) for mb in parts]
+        for out in outs:
+            out.loss.backward()
+        ppo.calculate_loss(ppo_prepared).backward()
+    assert_no_sync(counter)
+    metrics = full.metrics  # read after backward: numbers now
+    assert metrics["loss"] == pytest.approx(float(full.loss.detach()), rel=1e-6)
+    assert metrics["offpolicy_kl_k3"] > 0 and 0 < metrics["offpolicy_ess"] <= 1 + 1e-6 and metrics["tis_weight_mean"] >= 0
+    assert 0 <= ppo.metrics["offpolicy_masked_frac"] <= 1 and ppo.metrics["offpolicy_kl_k3"] > 0
+    combined = combine_metrics([o.metrics for o in outs])
+    for key in ("loss", "offpolicy_kl_k1", "offpolicy_chi2_seq", "offpolicy_ess", "offpolicy_masked_frac"):
+        assert combined[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -157,7 +157,7 @@ class GRPO:
         adv = self.advantages(r, group)
         old = ref = None
         sampled = batch.sampler_logprobs
-        need_old = cfg.tis_cap is not None or sampled is None or bool(torch.isnan(sampled[mask.bool()]).any())
+        need_old = cfg.off_policy is not None or sampled is None or bool(torch.isnan(sampled[mask.bool()]).any())
         if compute_old and need_old:
             with torch.no_grad():
                 old = self.logprobs(self.model, batch, mask, temperature)

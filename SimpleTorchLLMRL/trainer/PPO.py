@@ -48,6 +48,13 @@ from SimpleTorchLLMRL.trainer.batch import (
 )
 from SimpleTorchLLMRL.trainer.combine import LazyMetrics
 from SimpleTorchLLMRL.trainer.losses import KL_ESTIMATORS, Clip, clipped_surrogate, token_mean, value_loss
+from SimpleTorchLLMRL.trainer.off_policy import (
+    OffPolicy,
+    as_off_policy,
+    correction_metrics,
+    correction_weights,
+    mismatch_metrics,
+)
 
 
 @dataclass
@@ -59,7 +66,8 @@ class PPOConfig:
     beta: per-token KL penalty in the reward (kl_estimator, default k1); 0 skips the reference.
     whiten_advantages: normalize advantages over the batch's trained tokens.
     temperature: None follows the rollouts' sampling temperature (see GRPOConfig).
-    tis_cap: truncated importance sampling cap against the sampler's log-probs (None: off).
+    off_policy: an `OffPolicy` (or a dict of its fields), the correction between the trainer's and the
+    sampler's log-probs (`trainer.off_policy`; see GRPOConfig); tis_cap=c: its old spelling of OffPolicy.tis(c).
     (chunk_size, head_impl, max_length, truncate are `ComputeOptions`.)
     """
 
@@ -75,6 +83,7 @@ class PPOConfig:
     whiten_advantages: bool = True
     temperature: float | None = None
     tis_cap: float | None = None
+    off_policy: OffPolicy | dict | None = None
 
     def __post_init__(self):
         checks = [
@@ -88,6 +97,7 @@ class PPOConfig:
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"PPO {name}={getattr(self, name)!r} is invalid; expected {allowed}")
+        self.off_policy = as_off_policy("PPO", self.off_policy, self.tis_cap)
         self.clip = Clip(self.eps, self.eps if self.eps_high is None else self.eps_high, self.dual_clip)
 
 
@@ -117,11 +127,39 @@ def ppo_loss(logp: torch.Tensor, entropy: torch.Tensor, values: torch.Tensor, ol
                               ratio_mean=mean(ratio), ratio_min=torch.where(m, ratio, torch.inf).min(),
                               ratio_max=torch.where(m, ratio, -torch.inf).max(), num_tokens=m.sum(),
                               num_sequences=mask.shape[0], clip_frac=low + high)
-        if tis is not None:
-            metrics["tis_weight_mean"] = mean(tis)
         if ref_logprobs is not None:
             metrics["kl"] = mean(KL_ESTIMATORS[config.kl_estimator](logp, ref_logprobs))
     return loss, metrics
+
+
+def ratio_old(trainer_old: torch.Tensor, sampled: torch.Tensor | None, mask: torch.Tensor,
+              off_policy: OffPolicy | None) -> torch.Tensor:
+    """The old log-probs of the ratio, (B, T): with a correction the trainer's own, else the sampler's where known."""
+    if off_policy is None:
+        return old_and_tis(trainer_old, sampled, mask, None)[0]
+    return torch.where(mask.bool(), trainer_old, 0.0)
+
+
+def off_policy_terms(op: OffPolicy | None, trainer_old: torch.Tensor, sampled: torch.Tensor | None,
+                     adv: torch.Tensor, logp: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor | None, dict]:
+    """(the correction weight (B, T) or None, its and the mismatch's metrics) at the trained tokens.
+
+    index: `trained_index(mask)` (N,); the trained tokens are at index + 1 of the flat (B, T) batch.
+    No host sync: the tokens are read with `index_select`, the weights written back with `index_copy`."""
+    if sampled is None:
+        return None, {}
+    B, T = trainer_old.shape
+    at = index + 1  # (N,) flat positions of the trained tokens
+    pick = lambda t: t.reshape(-1).index_select(0, at)  # noqa: E731  (B, T) -> (N,)
+    row = torch.div(at, T, rounding_mode="floor")
+    metrics = mismatch_metrics(pick(trainer_old), pick(sampled), row, B)
+    if op is None:
+        return None, metrics
+    weight, stats = correction_weights(op, pick(trainer_old), pick(sampled), row, B, pick(adv.expand(B, T)),
+                                       pick(logp))
+    metrics.update(correction_metrics(weight, stats))
+    full = torch.ones(B * T, dtype=weight.dtype, device=weight.device).index_copy(0, at, weight).view(B, T)
+    return full, metrics
 
 
 def hidden_size(model) -> int:
@@ -144,6 +182,7 @@ class PPO:
                  vf_coef: float = 0.1, gamma: float = 1.0, lam: float = 0.95, cliprange_value: float | None = 0.2,
                  beta: float = 0.0, kl_estimator: str = "k1", whiten_advantages: bool = True,
                  temperature: float | None = None, tis_cap: float | None = None,
+                 off_policy: OffPolicy | dict | None = None,
                  chunk_size: int | None = DEFAULT_CHUNK_SIZE, head_impl: str = "auto", max_length: int | None = None,
                  truncate: bool = False):
         """The options are PPOConfig's and ComputeOptions' (see their docstrings); value_head: a module
@@ -151,7 +190,8 @@ class PPO:
         model for the values."""
         self.config = PPOConfig(eps=eps, eps_high=eps_high, dual_clip=dual_clip, vf_coef=vf_coef, gamma=gamma,
                                 lam=lam, cliprange_value=cliprange_value, beta=beta, kl_estimator=kl_estimator,
-                                whiten_advantages=whiten_advantages, temperature=temperature, tis_cap=tis_cap)
+                                whiten_advantages=whiten_advantages, temperature=temperature, tis_cap=tis_cap,
+                                off_policy=off_policy)
         self.compute_options = ComputeOptions(chunk_size=chunk_size, head_impl=head_impl, max_length=max_length,
                                               truncate=truncate)
         check_policy(self.name, model, tokenizer, ref_model, self.config.beta)
@@ -225,7 +265,7 @@ class PPO:
         if compute_old:
             with torch.no_grad():
                 logp, _, values = self._forward(batch, mask, temperature, index)
-            old, _ = old_and_tis(logp, batch.sampler_logprobs, mask, cfg.tis_cap)
+            old = ratio_old(logp, batch.sampler_logprobs, mask, cfg.off_policy)
             tb.old_logprobs, tb.old_values = logp, values
             tb.advantages, tb.returns = self._advantages(tb, old, values)
         return tb
@@ -240,13 +280,15 @@ class PPO:
         index = tb.token_index if tb.token_index is not None else trained_index(mask)
         logp, ent, values = self._forward(tb.batch, mask, tb.temperature, index)
         trainer_old = tb.old_logprobs if tb.old_logprobs is not None else logp.detach()
-        old, tis = old_and_tis(trainer_old, tb.sampler_logprobs, mask, cfg.tis_cap)
+        old = ratio_old(trainer_old, tb.sampler_logprobs, mask, cfg.off_policy)
         old_values = tb.old_values if tb.old_values is not None else values.detach()
         adv, returns = (tb.advantages, tb.returns) if tb.advantages is not None else self._advantages(
             tb, old, old_values)
         norm = normalizer if normalizer is not None else tb.normalizer
+        tis, off = off_policy_terms(cfg.off_policy, trainer_old, tb.sampler_logprobs, adv, logp, index)
         loss, metrics = ppo_loss(logp, ent, values, old, tis, adv, returns, old_values, mask, cfg, norm,
                                  tb.ref_logprobs)
+        metrics.update(off)
         metrics = LazyMetrics.merged(tb.metrics, metrics, temperature=tb.temperature)  # tensors until read
         full = torch.where(mask.bool(), logp.detach().float(), torch.nan)  # (B, T), for `logprob_drift`
         self.metrics, self.token_logprobs = metrics, full  # the record of this call

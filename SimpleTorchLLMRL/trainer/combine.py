@@ -8,7 +8,8 @@
     metrics = combine_metrics([o.metrics for o in outs])   # what one full-batch call would report
 
 Each micro-batch's loss already carries the FULL batch's normalizer, so losses add
-up to the full-batch loss. Per-token statistics are weighted by `num_tokens`;
+up to the full-batch loss. Per-token statistics are weighted by `num_tokens` (per-rollout ones
+by `num_sequences`); statistics that are not means (the off-policy ESS) are recomputed from the combined means;
 min / max are taken over the parts; counts are summed; batch-level numbers
 (rewards, advantages, temperature) are the same in every part and kept once.
 
@@ -21,12 +22,17 @@ from __future__ import annotations
 
 import torch
 
+from SimpleTorchLLMRL.trainer.off_policy import derived_mismatch
+
 SUMMED = frozenset({"loss", "policy_loss", "value_loss", "num_tokens", "num_sequences",
                     # DPO's per-pair means, each a share of the full batch's (divided by its pair count)
                     "reward_accuracy", "reward_margin", "chosen_reward", "rejected_reward"})
 TOKEN_MEANS = frozenset({"entropy", "ratio_mean", "clip_frac_low", "clip_frac_high", "clip_frac", "kl",
                          "tis_weight_mean", "value_mean", "return_mean", "advantage_mean",
-                         "reverse_kl", "jsd", "nll"})  # distillation and SFT
+                         "reverse_kl", "jsd", "nll",  # distillation and SFT
+                         "offpolicy_kl_k1", "offpolicy_kl_k3", "offpolicy_ratio_mean", "offpolicy_chi2_token",
+                         "offpolicy_clipped_frac", "offpolicy_masked_frac"})
+SEQUENCE_MEANS = frozenset({"offpolicy_chi2_seq", "offpolicy_masked_seq_frac"})  # weighted by num_sequences
 MINIMA = frozenset({"ratio_min"})
 MAXIMA = frozenset({"ratio_max"})
 
@@ -46,14 +52,16 @@ def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
             out[key] = min(values)
         elif key in MAXIMA:
             out[key] = max(values)
-        elif key in TOKEN_MEANS:
-            weights = [p.get("num_tokens") for p in present]
+        elif key in TOKEN_MEANS or key in SEQUENCE_MEANS:
+            count = "num_tokens" if key in TOKEN_MEANS else "num_sequences"
+            weights = [p.get(count) for p in present]
             if any(w is None for w in weights):
-                raise ValueError(f"combine_metrics: {key!r} is a token mean but a part has no 'num_tokens'")
+                raise ValueError(f"combine_metrics: {key!r} is a mean over {count[4:]} but a part has no {count!r}")
             total = sum(weights)
             out[key] = sum(v * w for v, w in zip(values, weights, strict=True)) / total if total else 0.0
         else:
             out[key] = values[0]
+    out.update(derived_mismatch(out))  # ratios of combined means (ESS, perplexity ratio), not means of ratios
     return out
 
 

@@ -39,6 +39,13 @@ from SimpleTorchLLMRL.trainer.losses import (
     Clip,
     aggregation_weights,
 )
+from SimpleTorchLLMRL.trainer.off_policy import (
+    OffPolicy,
+    as_off_policy,
+    correction_metrics,
+    correction_weights,
+    mismatch_metrics,
+)
 
 
 @dataclass
@@ -56,7 +63,10 @@ class GRPOConfig:
     KL: beta (0 skips the reference pass); kl_estimator k1 | k2 | k3; kl_bias_correction: multiply the
     per-token KL by the importance ratio pi/pi_old (DeepSeek-V3.2; TRL's use_bias_correction_kl).
 
-    Off-policy: tis_cap, truncated importance sampling cap (e.g. 2.0) against the sampler's log-probs;
+    Off-policy: off_policy, an `OffPolicy` (or a dict of its fields): token / sequence / geometric ratios
+    between the trainer's and the sampler's log-probs, truncated, masked or rejected, and the DeepSeek-V3.2
+    mask (`trainer.off_policy`); tis_cap=c is its old spelling of OffPolicy.tis(c) (truncated importance
+    sampling, min(pi_trainer / pi_sampler, c)). With either, the ratio uses the trainer's own old log-probs.
     temperature: None (default) follows the temperature the rollouts were sampled at (1.0 when none is
     recorded); a number is used when the rollouts record none (the recorded one wins, with a warning).
 
@@ -76,6 +86,7 @@ class GRPOConfig:
     advantage_estimator: str = "group"
     kl_estimator: str = "k3"
     tis_cap: float | None = None
+    off_policy: OffPolicy | dict | None = None
     max_tokens: int | None = None
     dual_clip: float | None = None
     kl_bias_correction: bool = False
@@ -109,6 +120,7 @@ class GRPOConfig:
             raise ValueError("GRPO loss_type='dr_grpo' needs max_tokens=: its fixed per-sequence constant, the "
                              "generation budget (your generator's max_new_tokens, times the model turns for "
                              "multi-turn episodes)")
+        self.off_policy = as_off_policy("GRPO", self.off_policy, self.tis_cap)
         spec = LOSS_TYPES[self.loss_type]
         if self.eps_high is None:
             self.eps_high = spec.default_eps_high if spec.default_eps_high is not None else self.eps
@@ -133,6 +145,7 @@ class TokenInputs(NamedTuple):
     weight: torch.Tensor  # the aggregator's weight of each token (normalizer included)
     row: torch.Tensor  # long: the rollout each token belongs to
     rows: int  # B
+    has_sampled: bool = False  # whether the batch carries sampler log-probs (the mismatch metrics)
 
 
 class LossOutput(NamedTuple):
@@ -166,13 +179,19 @@ def token_inputs(tb: TrainBatch, select: torch.Tensor, normalizer: float, config
         weight=pick(aggregation_weights(config.spec.aggregate, mask, normalizer)),
         row=row,
         rows=B,
+        has_sampled=tb.sampler_logprobs is not None,
     )
 
 
 def token_terms(config: GRPOConfig, x: TokenInputs, lp: torch.Tensor, sl: slice):
     """(weighted per-token loss (n,), stats) for the trained tokens `sl`, from their log-probs lp (n,)."""
     trainer_old = torch.where(torch.isnan(x.trainer_old[sl]), lp.detach(), x.trainer_old[sl])
-    old, tis = old_and_tis(trainer_old, x.sampled[sl], None, config.tis_cap)  # as PPO decides it
+    op = config.off_policy
+    old, _ = old_and_tis(trainer_old, x.sampled[sl], None, None)  # as PPO decides it: the sampler's where known
+    tis = None
+    if op is not None:  # decoupled: the ratio against the trainer's own, the sampler's corrected by a weight
+        old = trainer_old
+        tis, correction = correction_weights(op, trainer_old, x.sampled[sl], x.row[sl], x.rows, x.advantages[sl], lp)
     if config.ratio_level == "sequence":  # GSPO: one length-normalized ratio per rollout (needs every token)
         row, n = x.row, x.rows
         count = torch.zeros(n, device=lp.device).index_add_(0, row, torch.ones_like(lp))
@@ -181,8 +200,9 @@ def token_terms(config: GRPOConfig, x: TokenInputs, lp: torch.Tensor, sl: slice)
         log_ratio = lp - old
     loss, stats = config.spec.policy_loss(log_ratio, lp, x.advantages[sl], config.clip)
     stats["log_ratio"] = log_ratio
+    stats["trainer_old"] = trainer_old
     if tis is not None:
-        stats["tis"] = tis
+        stats["tis"], stats["correction"] = tis, correction
         loss = loss * tis
     if config.beta > 0:
         stats["kl"] = KL_ESTIMATORS[config.kl_estimator](lp, x.ref[sl])
@@ -197,7 +217,7 @@ def grpo_loss(h: torch.Tensor, head, y: torch.Tensor, x: TokenInputs, config: GR
     """The loss of the trained tokens: h (N, H) hidden states that predict y (N,) through `head`.
 
     fused False: the two-pass head (chunked log-probs and entropy, this loss once with autograd,
-    logits recomputed in backward). fused True (token-level ratios, plain Linear head): the
+    logits recomputed in backward). fused True (token-level ratios and off-policy weights, plain Linear head): the
     gradient is formed chunk by chunk in the forward (`fused_token_loss`). None: by kernel, fused
     on the "cpu" one (where the extra logits pass of the two-pass head costs more than a per-chunk
     loss graph: docs/benchmarks.md), two-pass on "gpu" / "triton" (where per-chunk launches and
@@ -207,7 +227,9 @@ def grpo_loss(h: torch.Tensor, head, y: torch.Tensor, x: TokenInputs, config: GR
     opts = dict(temperature=temperature, chunk_size=chunk_size, head_impl=head_impl)
     if fused is None:
         fused = resolve_head_impl(head_impl, h.device) == "cpu"
-    if fused and config.ratio_level == "token" and supports_fused(head, softcap):
+    whole = config.ratio_level == "sequence" or (config.off_policy is not None
+                                                  and config.off_policy.needs_whole_sequences)
+    if fused and not whole and supports_fused(head, softcap):
         loss, logp, entropy = fused_token_loss(h, head, y, lambda lp, sl: token_terms(config, x, lp, sl)[0], **opts)
         stats = None
     else:
@@ -234,6 +256,8 @@ def grpo_metrics(config: GRPOConfig, x: TokenInputs, loss: torch.Tensor, logp: t
                       num_sequences=x.rows, clip_frac=low + high)
     if "kl" in st:
         out["kl"] = mean(st["kl"])
-    if "tis" in st:
-        out["tis_weight_mean"] = mean(st["tis"])
+    if "tis" in st:  # the off-policy correction: its mean weight, the fractions clipped and masked
+        out.update(correction_metrics(st["tis"], st["correction"]))
+    if x.has_sampled:  # KL / chi-square / ESS / perplexity ratio between the sampler and the trainer
+        out.update(mismatch_metrics(st["trainer_old"], x.sampled, x.row, x.rows))
     return out
