@@ -154,6 +154,22 @@ def test_a_row_the_watch_gives_up_is_aborted_and_keeps_what_it_sampled(vllm, tok
     assert [watch.given_up_at(r) for r in (0, 2, 3)] == [None, None, None]
 
 
+def test_a_watched_call_that_fails_leaves_no_request_in_the_engine(vllm, tok, model_dir):
+    llm = vllm.LLM(model_dir)
+    gen = ModelGenerate(llm, tok, max_new_tokens=10, temperature=1.0, seed=0, eos_token_ids=[10**6])
+    calls = []
+
+    def on_tokens(rows, ids):
+        calls.append(rows)
+        if len(calls) == 2:
+            raise RuntimeError("the watch broke")
+
+    with pytest.raises(RuntimeError, match="the watch broke"):
+        gen.generate(rollouts(2), n=2, watch=DecodeWatch(on_tokens))
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert len(gen.generate(rollouts(1), watch=DecodeWatch())[0][0].token_ids) == 10  # the engine still serves
+
+
 def test_greedy_group_repeats_prompts_instead_of_n(vllm, tok, model_dir):
     llm = vllm.LLM(model_dir)
     groups = ModelGenerate(llm, tok, max_new_tokens=4, do_sample=False).generate(rollouts(2), n=2)

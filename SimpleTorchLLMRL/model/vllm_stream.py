@@ -17,6 +17,7 @@ request draws from its own seeded generator).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 
@@ -75,7 +76,7 @@ def step_watched(llm, prompts: list, params: list, lora, per_request: int, watch
                     done[r], given_up[r] = True, sent[r]
                     watch.give_up(r, sent[r])
     except BaseException:
-        if request_of:  # leave no request of this call in the engine
+        with contextlib.suppress(Exception):  # leave no request of this call in the engine; raise the first error
             engine.abort_request(list(request_of))
         raise
     return [RowResult(last[r], given_up.get(r)) for r in range(rows)]
