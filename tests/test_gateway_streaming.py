@@ -299,9 +299,11 @@ def test_the_stream_is_a_reusable_iterator_of_text_deltas(calc, env):
     assert model_turns(gw, "direct")[0].token_ids == events[-1].replies[0].token_ids
 
 
-def test_a_stream_over_the_vllm_backend_gets_the_whole_reply_at_its_end(monkeypatch, tmp_path):
-    """vLLM's `LLM.generate` runs to its end: its rows reach the watch once, and the stream still carries
-    exactly the recorded content (tests/fake_vllm.py on CPU)."""
+def test_a_stream_over_the_vllm_backend_comes_token_by_token(monkeypatch, tmp_path):
+    """The vLLM backend steps the engine for a watched call (tests/fake_vllm.py here: one id per step): the engine
+    is held at its 6th step until the client has read a content chunk, and the chunks carry exactly the recorded
+    content. The real engine: tests/test_vllm_stream.py."""
+    from engine_helpers import EngineSteps
     from fake_vllm import install_fake_vllm
 
     from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
@@ -310,9 +312,23 @@ def test_a_stream_over_the_vllm_backend_gets_the_whole_reply_at_its_end(monkeypa
     tok = tiny_tokenizer("chatml")
     tiny_model("qwen2", tok).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    gw = Gateway(ModelGenerate(vllm.LLM(str(tmp_path), seed=0), tok, max_new_tokens=12, temperature=1.0, seed=0))
+    llm = vllm.LLM(str(tmp_path), seed=0)
+    gw = Gateway(ModelGenerate(llm, tok, max_new_tokens=12, temperature=1.0, seed=0, eos_token_ids=[NEVER]))
     with gw.serve() as url:
-        r = httpx.post(f"{url}/chat/completions", json={"model": "policy", "messages": start(), "stream": True},
-                       headers={"Authorization": "Bearer v"}, timeout=120)
+        steps = EngineSteps(llm, hold_at=6)
+        try:
+            with httpx.stream("POST", f"{url}/chat/completions", headers={"Authorization": "Bearer v"},
+                              json={"model": "policy", "messages": start(), "stream": True}, timeout=120) as r:
+                lines, first_content_at = [], None
+                for line in r.iter_lines():
+                    lines.append(line)
+                    if first_content_at is None and content_of(sse_chunks([line])):
+                        first_content_at = steps.count
+                        steps.release.set()
+        finally:
+            steps.remove()
     [turn] = model_turns(gw, "v")
-    assert r.status_code == 200 and content_of(sse_chunks(r.text.splitlines())) == turn.content
+    chunks = sse_chunks(lines)
+    assert steps.released_in_time and first_content_at is not None and first_content_at <= 6
+    assert r.status_code == 200 and content_of(chunks) == turn.content and len(turn.token_ids) == 12
+    assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")) > 1

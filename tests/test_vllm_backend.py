@@ -12,6 +12,7 @@ from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.model.vllm import logprobs_mode_problem, push_weights
+from SimpleTorchLLMRL.model.watch import DecodeWatch
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 
@@ -111,6 +112,62 @@ def test_finish_reasons_from_completion_outputs(vllm, tok, model_dir):
     eos = ModelGenerate(llm, tok, max_new_tokens=12, do_sample=False, eos_token_ids=[base.token_ids[2]])
     msg = eos.generate(rollouts(1))[0][0]
     assert msg.finish_reason == "stop" and msg.token_ids == base.token_ids[: base.token_ids.index(base.token_ids[2]) + 1]
+
+
+def _fields(groups) -> list:
+    return [[(m.token_ids, m.logprobs, m.finish_reason, m.content) for m in g] for g in groups]
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0, stop=["ction"]), dict(do_sample=False)])
+def test_a_watched_call_steps_the_engine_and_samples_what_an_unwatched_one_does(vllm, tok, model_dir, kw):
+    """n = 2 as one request of n (sampling) or two repeated requests (greedy): same samples, ids reached the
+    watch one step at a time, and together they are each row's ids."""
+    llm = vllm.LLM(model_dir)
+    gen = ModelGenerate(llm, tok, max_new_tokens=10, seed=0, **kw)
+    plain = gen.generate(rollouts(2), n=2, seed=7)
+    seen: dict[int, list[list[int]]] = {}
+    watched = gen.generate(rollouts(2), n=2, seed=7, watch=DecodeWatch(
+        lambda rows, ids: [seen.setdefault(r, []).append(i) for r, i in zip(rows, ids, strict=True)]))
+    assert _fields(watched) == _fields(plain) and len(llm.generate_calls) == 1  # the watched one stepped
+    assert {r: sum(parts, []) for r, parts in seen.items()} == {2 * i + j: m.token_ids for i, g in enumerate(plain)
+                                                                for j, m in enumerate(g)}
+    assert all(len(part) == 1 for parts in seen.values() for part in parts)  # the fake engine: one id per step
+
+
+def test_a_row_the_watch_gives_up_is_aborted_and_keeps_what_it_sampled(vllm, tok, model_dir):
+    llm = vllm.LLM(model_dir)
+    gen = ModelGenerate(llm, tok, max_new_tokens=10, temperature=1.0, seed=0, eos_token_ids=[10**6])
+    plain = gen.generate(rollouts(2), n=2, seed=3)
+    got = {r: 0 for r in range(4)}
+
+    def on_tokens(rows, ids):
+        for r, new in zip(rows, ids, strict=True):
+            got[r] += len(new)
+
+    watch = DecodeWatch(on_tokens, lambda r: r == 1 and got[1] >= 3)  # prompt 0's 2nd sample, after 3 ids
+    watched = gen.generate(rollouts(2), n=2, seed=3, watch=watch)
+    cut = watched[0][1]
+    assert watch.given_up_at(1) == 3 and got[1] == 3 and not llm.llm_engine.has_unfinished_requests()
+    assert (cut.token_ids, cut.logprobs) == (plain[0][1].token_ids[:3], plain[0][1].logprobs[:3])
+    assert cut.finish_reason == "length" and cut.content == tok.decode(cut.token_ids, skip_special_tokens=True)
+    assert _fields([watched[0][:1], watched[1]]) == _fields([plain[0][:1], plain[1]])
+    assert [watch.given_up_at(r) for r in (0, 2, 3)] == [None, None, None]
+
+
+def test_a_watched_call_that_fails_leaves_no_request_in_the_engine(vllm, tok, model_dir):
+    llm = vllm.LLM(model_dir)
+    gen = ModelGenerate(llm, tok, max_new_tokens=10, temperature=1.0, seed=0, eos_token_ids=[10**6])
+    calls = []
+
+    def on_tokens(rows, ids):
+        calls.append(rows)
+        if len(calls) == 2:
+            raise RuntimeError("the watch broke")
+
+    with pytest.raises(RuntimeError, match="the watch broke"):
+        gen.generate(rollouts(2), n=2, watch=DecodeWatch(on_tokens))
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert len(gen.generate(rollouts(1), watch=DecodeWatch())[0][0].token_ids) == 10  # the engine still serves
 
 
 def test_greedy_group_repeats_prompts_instead_of_n(vllm, tok, model_dir):

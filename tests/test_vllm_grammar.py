@@ -15,6 +15,7 @@ from SimpleTorchLLMRL.chat.tokenize import encode_prompt
 from SimpleTorchLLMRL.model.constrain import json_schema_grammar
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.model.sampling import SamplingConfig
+from SimpleTorchLLMRL.model.watch import DecodeWatch
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 
@@ -76,6 +77,21 @@ def test_greedy_under_a_grammar_equals_the_hf_loop(llm, hf):
     engine = ModelGenerate(llm, tok, max_new_tokens=40, do_sample=False).generate(_rollouts(), sampling=cfg)
     local = ModelGenerate(model, tok, max_new_tokens=40, do_sample=False).generate(_rollouts(), sampling=cfg)
     assert [g[0].token_ids for g in engine] == [g[0].token_ids for g in local]
+
+
+def test_a_watched_call_under_a_grammar_gives_the_unwatched_messages(llm, hf):
+    """A watched call steps the engine (model/vllm_stream.py); the grammar's log-probs are rescored the same way
+    afterwards: same ids, log-probs, finish reasons and text, n = 2 under one seed."""
+    _, tok = hf
+    gen = ModelGenerate(llm, tok, max_new_tokens=48, temperature=1.0, seed=0)
+    cfg = SamplingConfig(max_new_tokens=48, temperature=1.0, grammar=json_schema_grammar(SCHEMA))
+    seen: list[int] = []
+    plain = gen.generate(_rollouts(), n=2, sampling=cfg, seed=6)
+    watched = gen.generate(_rollouts(), n=2, sampling=cfg, seed=6,
+                           watch=DecodeWatch(lambda rows, ids: seen.extend(rows)))
+    fields = [[[(m.token_ids, m.logprobs, m.finish_reason, m.content) for m in g] for g in groups]
+              for groups in (watched, plain)]
+    assert fields[0] == fields[1] and sorted(set(seen)) == [0, 1, 2, 3] and len(seen) > 8
 
 
 def test_a_grammar_at_another_temperature_is_refused(llm, hf):

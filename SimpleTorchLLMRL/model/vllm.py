@@ -32,6 +32,9 @@ second, prefill-only pass over prompt + completion (`prompt_logprobs=0`), which 
 computes from the raw logits: exact at temperature 1 (and greedy, recorded at 1); a
 grammar with another temperature is refused with a ValueError.
 
+A call with a `watch` (streaming, hang-ups) steps the engine itself (`model/vllm_stream.py`): the same
+requests as `LLM.generate`, each row's ids reported as the engine samples them, cancelled rows aborted.
+
 Weight sync (`push_weights`) hands HF checkpoint names (built by
 `model/weight_sync.py`: peft prefixes stripped, LoRA deltas merged into new
 tensors, the training model never modified) to the workers' `reload_weights`
@@ -168,8 +171,9 @@ class VLLMBackend:
                  adapter: str | list[str | None] | None = None, watch=None) -> list[list[Sample]]:
         """`n` samples per prompt under `sampling` (this call's settings, never stored; refused when this
         engine's log-probs mode cannot record them); `adapter`: a pushed adapter's name, or one name (or
-        None) per prompt. `watch` (a `model.watch.DecodeWatch`): `LLM.generate` runs to its end, so each
-        row's ids reach it once, when the call ends, and it cancels nothing (not token by token yet)."""
+        None) per prompt. `watch` (a `model.watch.DecodeWatch`): the engine is stepped here instead of
+        `LLM.generate` (`vllm_stream.step_watched`), each row's ids reach the watch as they are sampled and
+        the rows it cancels are aborted; the samples are the ones `LLM.generate` gives for the same seed."""
         from vllm.inputs import TokensPrompt
 
         if not isinstance(sampling, SamplingConfig):
@@ -189,13 +193,19 @@ class VLLMBackend:
             lora = None if all(x is None for x in lora) else lora
         else:
             lora = self._lora_for(adapter)
-        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
-        samples = [self._sample(c, sampling) for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+        if watch is None:
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
+            samples = [self._sample(c, sampling) for out in outputs
+                       for c in sorted(out.outputs, key=lambda c: c.index)]
+        else:  # the engine stepped here: ids to the watch as they come, given-up rows aborted
+            from SimpleTorchLLMRL.model.vllm_stream import step_watched
+
+            rows = step_watched(self.llm, requests, params, lora, per_request, watch)
+            samples = [self._sample(r.output, sampling) if r.given_up_at is None else self._given_up(r)
+                       for r in rows]
         if sampling.grammar is not None:
             self._raw_logprobs([p for p in prompts for _ in range(n)], samples,
                                lora if not isinstance(lora, list) else [x for x in lora for _ in range(per_request)])
-        if watch is not None:
-            watch.tokens(range(len(samples)), [list(s.token_ids) for s in samples])
         return [samples[i * n: (i + 1) * n] for i in range(len(prompts))]
 
     def _raw_logprobs(self, prompts: list[list[int]], samples: list[Sample], lora) -> None:
@@ -211,15 +221,19 @@ class VLLMBackend:
             s.logprobs = [min(0.0, float(row[tok].logprob)) for row, tok in zip(rows, s.token_ids, strict=True)]
 
     def _sample(self, c, cfg: SamplingConfig) -> Sample:
-        ids = [int(t) for t in c.token_ids]
-        if c.logprobs is None or len(c.logprobs) != len(ids):
-            raise RuntimeError("vLLM returned no per-token log-probs; SamplingParams(logprobs=0) was ignored")
-        logprobs = [min(0.0, float(c.logprobs[k][tok].logprob)) for k, tok in enumerate(ids)]
+        ids, logprobs = _ids_and_logprobs(c, len(c.token_ids))
         if c.finish_reason == "stop":
             reason = "tool_call" if c.stop_reason in cfg.tool_call_stop else "stop"
         else:  # "length", or "abort": cut short either way
             reason = "length"
         return Sample(ids, logprobs, reason, c.text)
+
+    def _given_up(self, row) -> Sample:
+        """A row the watch gave up (`vllm_stream.RowResult`): the ids it had sampled, finish_reason "length"."""
+        if row.output is None:  # aborted before its first step
+            return Sample([], [], "length", "")
+        ids, logprobs = _ids_and_logprobs(row.output, row.given_up_at)
+        return Sample(ids, logprobs, "length", self.tokenizer.decode(ids, skip_special_tokens=True))
 
     # -- weight sync and colocation
     def push_weights(self, model, mode: str = "merged", adapter: str | list[str] | None = None) -> None:
@@ -300,6 +314,14 @@ class VLLMBackend:
         self.llm.wake_up(tags=tags)
         self._asleep -= set(tags) if tags else self._asleep
         self._compare_pending()
+
+
+def _ids_and_logprobs(c, count: int) -> tuple[list[int], list[float]]:
+    """The first `count` ids of a `CompletionOutput` and their log-probs (vLLM's, capped at 0)."""
+    ids = [int(t) for t in c.token_ids[:count]]
+    if c.logprobs is None or len(c.logprobs) < len(ids):
+        raise RuntimeError("vLLM returned no per-token log-probs; SamplingParams(logprobs=0) was ignored")
+    return ids, [min(0.0, float(c.logprobs[k][tok].logprob)) for k, tok in enumerate(ids)]
 
 
 # ----------------------------------------------------------------------------- weight sync
