@@ -508,3 +508,23 @@ def test_the_agents_sdk_responses_example_records_its_episodes(calc):
         enc = encode_rollout(r, calc[1])
         trained = [t for t, k in zip(enc.input_ids, enc.loss_mask, strict=True) if k]
         assert trained and trained == [t for m in sampled(r) for t in m.token_ids]
+
+
+def test_a_stream_whose_generation_fails_ends_with_an_error_event(calc, monkeypatch):
+    """After the headers went out, a failed generation is an `error` event (OpenAI's streamed error), not a
+    dropped connection; nothing is recorded."""
+    gw = make_gateway(calc)
+
+    def broken(*args, **kwargs):
+        raise ValueError("the engine refused this call")
+
+    monkeypatch.setattr(gw.generator, "generate", broken)
+    with gw.serve(host="127.0.0.1", port=0) as url:
+        r = httpx.post(f"{url}/responses", json={"model": "policy", "input": "hi", "stream": True},
+                       headers={"Authorization": "Bearer broken-1"}, timeout=60)
+    assert r.status_code == 200
+    events = [json.loads(line[len("data: "):]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert [e["type"] for e in events][:2] == ["response.created", "response.in_progress"]
+    assert events[-1]["type"] == "error" and "the engine refused this call" in events[-1]["message"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert "broken-1" not in gw.sessions()

@@ -124,9 +124,19 @@ def responses_routes(gateway, error):
             return answer(finished[0])
 
         async def guarded():
-            async with contextlib.aclosing(events):  # a client that leaves cancels the call
-                async for e in stream_events(start, message_id, deltas(), finish):
-                    yield e
+            """The events; a call that fails after the headers went out ends the stream with an `error` event
+            (OpenAI's streamed error), not a dropped connection. A client that leaves cancels the call."""
+            seq = -1
+            async with contextlib.aclosing(events):
+                try:
+                    async for e in stream_events(start, message_id, deltas(), finish):
+                        seq = e["sequence_number"]
+                        yield e
+                except Exception as exc:  # noqa: BLE001  (the status line is sent: the error goes in the stream)
+                    err = as_responses_error(exc if isinstance(exc, RequestError) else RequestError(
+                        500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+                    yield {"type": "error", "sequence_number": seq + 1, "code": err.code, "message": err.message,
+                           "param": err.param}
 
         return sse_response(guarded())
 
