@@ -124,3 +124,27 @@ def test_a_chat_stop_that_is_not_a_list_of_strings_is_a_400_naming_it(served):
         with pytest.raises(openai.BadRequestError) as e:
             client(url, "stop-bad").chat.completions.create(model="policy", messages=start(), stop=stop)
         assert e.value.body["param"] == "stop", stop
+
+
+def test_a_left_out_max_tokens_shrinks_to_the_context_the_prompt_leaves():
+    """A client that never set max_tokens (the CLI's default is 512) sends a long prompt: the reply gets what
+    is left of the context, as at OpenAI and vLLM, not a 400 naming a max_tokens it did not send; a client
+    that set max_tokens past what fits still gets the 400 naming it."""
+    from SimpleTorchLLMRL.chat.message import Rollout
+    from SimpleTorchLLMRL.chat.tokenize import encode_prompt
+
+    model, tok = load_calc()
+    ctx = model.config.max_position_embeddings
+    gen = ModelGenerate(model, tok, max_new_tokens=512, temperature=1.0, seed=0, eos_token_ids=[10**6])
+    question = "Add the numbers: " + " + ".join(str(i % 10) for i in range(300))
+    messages = [{"role": "user", "content": question}]
+    prompt_len = len(encode_prompt(Rollout.from_chat(messages), tok))
+    assert ctx - 512 < prompt_len < ctx - 8  # the default does not fit; some context is left
+    with Gateway(gen).serve(host="127.0.0.1", port=0) as url:
+        c = client(url, "long-1")
+        reply = c.chat.completions.create(model="policy", messages=messages, extra_body={"return_token_ids": True})
+        choice = reply.choices[0]
+        assert choice.finish_reason == "length" and len(choice.token_ids) == ctx - prompt_len
+        with pytest.raises(openai.BadRequestError) as err:
+            c.chat.completions.create(model="policy", messages=messages, max_tokens=512)
+        assert err.value.body["code"] == "context_length_exceeded"

@@ -69,6 +69,7 @@ class ChatRequest:
     template_kwargs: dict = field(default_factory=dict)
     tool_choice: str = "auto"  # "auto", "none", "required" or "function" (gateway.fields)
     tool_function: str | None = None  # the function a named tool_choice forces
+    max_tokens_given: bool = True  # False: max_tokens left out, so the default shrinks to the context left
     stop: tuple[str, ...] = ()  # the request's own stop strings: left out of the content it is shown (OpenAI's)
 
 
@@ -269,7 +270,9 @@ def parse_request(body: Any, model_name: str, defaults: SamplingConfig, vocab_si
                        include_usage=bool(stream_options.get("include_usage")),
                        logprobs=bool(body.get("logprobs")), top_logprobs=top,
                        return_token_ids=bool(body.get("return_token_ids")), template_kwargs=kwargs,
-                       tool_choice=tool_choice, tool_function=tool_function, stop=stop)
+                       tool_choice=tool_choice, tool_function=tool_function, stop=stop,
+                       max_tokens_given=body.get("max_tokens") is not None
+                       or body.get("max_completion_tokens") is not None)
 
 
 def to_message(turn: dict) -> Message:

@@ -58,6 +58,7 @@ from SimpleTorchLLMRL.gateway.streaming import (
     tool_openings,
     until_disconnect,
 )
+from SimpleTorchLLMRL.model.sampling import SamplingConfig
 
 ANONYMOUS = "default"
 
@@ -255,9 +256,8 @@ class Gateway:
             listener, future = Listener(asyncio.get_running_loop(), stream=req.stream), None
             try:
                 with self.batcher.expect():  # a batch being formed waits for this call
-                    prompt_ids = await asyncio.to_thread(self._prompt_ids, plan.prompt, req)
-                    future = self.batcher.enqueue(Job(plan.prompt, req.sampling, req.n, req.seed, prompt_ids,
-                                                      listener))
+                    prompt_ids, sampling = await asyncio.to_thread(self._prompt_ids, plan.prompt, req)
+                    future = self.batcher.enqueue(Job(plan.prompt, sampling, req.n, req.seed, prompt_ids, listener))
                 future.add_done_callback(lambda _: listener.queue.put_nowait(DONE))
                 yield Started(prompt_ids)
                 rows = [self._row_text(req) for _ in range(req.n)]
@@ -350,21 +350,26 @@ class Gateway:
             await asyncio.sleep(min(max(self.store.ttl / 4, 0.01), 5.0))
             self.store.expire()
 
-    def _prompt_ids(self, prompt: Rollout, req: ChatRequest) -> list[int]:
-        """The ids the model will be conditioned on (as-sampled encoder); 400 when they do not fit."""
+    def _prompt_ids(self, prompt: Rollout, req: ChatRequest) -> tuple[list[int], SamplingConfig]:
+        """The ids the model will be conditioned on (as-sampled encoder) and the call's sampling settings; 400
+        when they do not fit. A request that left max_tokens out gets the default cut to the context that the
+        prompt leaves (as OpenAI and vLLM do); one that set it gets a 400 when prompt + max_tokens do not fit."""
         try:
             ids = encode_prompt(prompt, self.generator.tokenizer)
         except ValueError as e:
             raise bad(f"the messages cannot be encoded for this model: {e}", "messages") from e
-        ctx = self.generator.max_context
-        if ctx is not None and len(ids) + req.sampling.max_new_tokens > ctx:
-            raise bad(f"this model's context is {ctx} tokens; the messages are {len(ids)} tokens and max_tokens is "
-                      f"{req.sampling.max_new_tokens}: shorten the messages or lower max_tokens",
-                      "messages", "context_length_exceeded")
+        sampling, ctx = req.sampling, self.generator.max_context
+        if ctx is not None and len(ids) + sampling.max_new_tokens > ctx:
+            if not req.max_tokens_given and len(ids) < ctx:
+                sampling = dataclasses.replace(sampling, max_new_tokens=ctx - len(ids))
+            else:
+                raise bad(f"this model's context is {ctx} tokens; the messages are {len(ids)} tokens and max_tokens is "
+                          f"{sampling.max_new_tokens}: shorten the messages or lower max_tokens",
+                          "messages", "context_length_exceeded")
         if req.top_logprobs and not hasattr(self.generator.backend, "model"):
             raise bad("top_logprobs needs the HF backend (this gateway runs vLLM); use logprobs without it",
                       "top_logprobs")
-        return ids
+        return ids, sampling
 
     async def _choice(self, i: int, msg: Message, content, calls, prompt_ids, req: ChatRequest) -> dict:
         finish = finish_reason(msg.finish_reason, calls)
