@@ -124,3 +124,18 @@ def test_overlong_penalty_and_dynamic_sampling():
         A.overlong_penalty(torch.tensor([1]), max_length=10, cache_length=20)
     keep = A.nonconstant_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1, 2, 2]))
     assert keep.tolist() == [False, False, True, True, False, False]
+
+
+def test_rollout_groups_by_size_id_or_prompt_and_partial_ids_refused():
+    """The one grouping rule GRPO and Distill share (`A.rollout_groups`)."""
+    from SimpleTorchLLMRL.chat.message import Rollout
+
+    def r(q, **meta):
+        return Rollout.from_chat([{"role": "user", "content": q}, {"role": "assistant", "content": "x"}], **meta)
+
+    same_prompt = [r("a"), r("b"), r("a")]
+    assert A.rollout_groups(same_prompt).tolist() == [0, 1, 0]
+    assert A.rollout_groups(same_prompt[:2] + [r("c")], group_size=3).tolist() == [0, 0, 0]
+    assert A.rollout_groups([r("a", group_id=7), r("a", group_id=3)]).tolist() == [0, 1]
+    with pytest.raises(ValueError, match=r"group_id'\] is set on some rollouts but not on rollouts \[1\]"):
+        A.rollout_groups([r("a", group_id=7), r("a")])

@@ -90,15 +90,7 @@ class GRPO:
 
     def group_index(self, rollouts: list[Rollout]) -> torch.Tensor:
         """(B,) long: group_size blocks, else metadata["group_id"], else identical prompt messages."""
-        if self.config.group_size is not None:
-            return A.groups_from_size(len(rollouts), self.config.group_size)
-        ids = [r.metadata.get("group_id") for r in rollouts]
-        if all(i is not None for i in ids):
-            return A.groups_from_keys(ids)
-        if any(i is not None for i in ids):
-            missing = [k for k, i in enumerate(ids) if i is None]
-            raise ValueError(f"metadata['group_id'] is set on some rollouts but not on rollouts {missing[:10]}")
-        return A.groups_from_keys([tuple((m.role, m.name, m.content) for m in r.prompt_messages) for r in rollouts])
+        return A.rollout_groups(rollouts, self.config.group_size)
 
     def advantages(self, rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
         """(B,) advantages of the configured estimator; singletons are pooled into one group (one warning)."""

@@ -23,6 +23,20 @@ def groups_from_keys(keys: list) -> torch.Tensor:
     return torch.tensor([index.setdefault(k, len(index)) for k in keys], dtype=torch.long)
 
 
+def rollout_groups(rollouts, group_size: int | None = None) -> torch.Tensor:
+    """(B,) long group index of rollouts: `group_size` blocks, else metadata["group_id"] (on all of them, or
+    a ValueError naming those without it), else identical prompt messages (role, name, content)."""
+    if group_size is not None:
+        return groups_from_size(len(rollouts), group_size)
+    ids = [r.metadata.get("group_id") for r in rollouts]
+    if all(i is not None for i in ids):
+        return groups_from_keys(ids)
+    if any(i is not None for i in ids):
+        missing = [k for k, i in enumerate(ids) if i is None]
+        raise ValueError(f"metadata['group_id'] is set on some rollouts but not on rollouts {missing[:10]}")
+    return groups_from_keys([tuple((m.role, m.name, m.content) for m in r.prompt_messages) for r in rollouts])
+
+
 def group_sizes(group: torch.Tensor) -> torch.Tensor:
     """How many rollouts share each rollout's group, (B,)."""
     return torch.bincount(group)[group]

@@ -181,12 +181,7 @@ class Distill:
 
     def group_index(self, rollouts: list[Rollout]) -> torch.Tensor:
         """(B,) long: group_size blocks, else metadata["group_id"], else identical prompt messages."""
-        if self.config.group_size is not None:
-            return A.groups_from_size(len(rollouts), self.config.group_size)
-        ids = [r.metadata.get("group_id") for r in rollouts]
-        if all(i is not None for i in ids):
-            return A.groups_from_keys(ids)
-        return A.groups_from_keys([tuple((m.role, m.name, m.content) for m in r.prompt_messages) for r in rollouts])
+        return A.rollout_groups(rollouts, self.config.group_size)
 
     def teacher_logprobs(self, rollouts: list[Rollout], batch, mask: torch.Tensor, temperature: float):
         """(B, T) the teacher's log-probs of the trained tokens, from whichever source `teacher` is."""
