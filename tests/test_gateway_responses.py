@@ -20,7 +20,6 @@ from SimpleTorchLLMRL.gateway.responses import (  # noqa: E402
     HONOURED,
     PASSED,
     REFUSED_UNLESS_DEFAULT,
-    one_delta,
     stream_events,
 )
 from SimpleTorchLLMRL.gateway.sessions import MAX_LINKS, SessionStore  # noqa: E402
@@ -224,7 +223,9 @@ def test_the_event_generator_takes_text_deltas_as_they_come():
         state.handle_event(adapter.validate_python(e))
     done = state._completed_response
     assert done.output_text == "The answer is 7." and done.output[1].arguments == call["arguments"]
-    # today's source, one delta of the whole text, gives the same events but for the deltas
+    async def one_delta(text):  # the whole text as one delta gives the same events but for the deltas
+        yield text
+
     whole = asyncio.run(collect(one_delta("The answer is 7.")))
     assert [e["type"] for e in whole if e["type"] != "response.output_text.delta"] == \
         [e["type"] for e in events if e["type"] != "response.output_text.delta"]

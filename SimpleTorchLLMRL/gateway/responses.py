@@ -341,12 +341,6 @@ def response_object(rid: str, model: str, body: dict, payload: dict | None, mess
     return out
 
 
-async def one_delta(text: str) -> AsyncIterator[str]:
-    """The whole text as one delta (generation today ends before a stream starts)."""
-    if text:
-        yield text
-
-
 async def stream_events(start: dict, message_id: str, deltas: AsyncIterator[str],
                         finish: Callable[[], Awaitable[dict]]) -> AsyncIterator[dict]:
     """The Responses stream: response.created, response.in_progress, the message item (output_item.added,
