@@ -1,10 +1,10 @@
-"""The OpenAI Chat Completions wire format: requests in, responses and stream chunks out.
+"""The OpenAI Chat Completions wire format: requests in, responses out (stream chunks: `gateway.streaming`).
 
 Plain functions over JSON-ready dicts; nothing here knows about HTTP or sessions.
 
     parse_request(body, model_name, defaults) -> ChatRequest     (raises RequestError -> a 4xx body)
     reply_view(text, tools, parsers)         -> (content, tool_calls)
-    completion_payload(...) / stream_payloads(...)
+    completion_payload(...)
 """
 
 from __future__ import annotations
@@ -358,32 +358,6 @@ def completion_payload(rid: str, model: str, choices: list[dict], prompt_ids: li
     if return_token_ids:
         out["prompt_token_ids"] = list(prompt_ids)
     return out
-
-
-def stream_payloads(full: dict, include_usage: bool) -> list[dict]:
-    """The same completion as `chat.completion.chunk` objects: per choice a role chunk, a content chunk,
-    a tool-calls chunk, a finish chunk; then a usage chunk when asked."""
-    base = {"id": full["id"], "object": "chat.completion.chunk", "created": full["created"], "model": full["model"]}
-    chunks = []
-
-    def chunk(index: int, delta: dict, finish=None, logprobs=None, extra=None) -> dict:
-        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs, **(extra or {})}
-        return {**base, "choices": [choice]}
-
-    for c in full["choices"]:
-        msg, i = c["message"], c["index"]
-        chunks.append(chunk(i, {"role": "assistant", "content": ""}))
-        if msg.get("content"):
-            chunks.append(chunk(i, {"content": msg["content"]}, logprobs=c.get("logprobs")))
-        for j, call in enumerate(msg.get("tool_calls") or []):
-            chunks.append(chunk(i, {"tool_calls": [{"index": j, **call}]}))
-        extra = {"token_ids": c["token_ids"]} if "token_ids" in c else None
-        chunks.append(chunk(i, {}, finish=c["finish_reason"], extra=extra))
-    if "prompt_token_ids" in full:
-        chunks[0]["prompt_token_ids"] = full["prompt_token_ids"]
-    if include_usage:
-        chunks.append({**base, "choices": [], "usage": full["usage"]})
-    return chunks
 
 
 def top_logprobs(generator, prompt_ids: list[int], msg: Message, k: int) -> list[list[tuple[int, float]]]:
