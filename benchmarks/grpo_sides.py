@@ -17,7 +17,8 @@ Phases of a step:
 Variants: `ours` (the library's defaults plus `GRPO(share_prefix=True)`: each group's prompt is
 prefilled once in generation and run once in the training forward), `ours_unshared` (both
 off: every row runs its whole sequence, as TRL does), `ours_liger` (`ours` with Liger's Triton kernels for
-RMSNorm, SwiGLU and RoPE in the body, `model.liger.apply_liger_kernels`; CUDA only), `trl`, and
+RMSNorm, SwiGLU and RoPE in the body, `model.liger.apply_liger_kernels`; CUDA only), `ours_lora` (`ours`
+with LoRA r=16 adapters in the base dtype, `model.lora.apply_lora`), `trl`, and
 `trl_liger` (TRL with `use_liger_kernel=True`: the same body kernels and Liger's fused GRPO loss; CUDA only).
 
 `GRPO_SIDES_HEAD_IMPL` (environment) sets our side's `head_impl` (default "auto").
@@ -54,7 +55,7 @@ SHAPES = {
     # a GPU-sized batch of the same model (the CPU shape above is sized for a 2-core machine)
     "qwen2.5-0.5b-gpu": Shape(16, 8, 256, "qwen2.5-0.5b", "Qwen2.5-0.5B config, random init, bf16 on one GPU"),
 }
-VARIANTS = ("ours", "ours_unshared", "ours_liger", "trl", "trl_liger")
+VARIANTS = ("ours", "ours_unshared", "ours_liger", "ours_lora", "trl", "trl_liger")
 
 
 @dataclass
@@ -131,8 +132,20 @@ class Profile:
             self.prof.dump_stats(self.path)
 
 
+_BUILT: dict = {}  # one model per process: a second run (gradient checkpointing on) reuses the first's
+
+
 def build(vocab: int):
-    """(tokenizer, model): the shape's model, random init, on the run's device and dtype, in eval mode."""
+    """(tokenizer, model): the shape's model, random init, on the run's device and dtype, in eval mode;
+    built once per process and (vocab, shape, device, dtype)."""
+    key = (vocab, RUN.shape.model, RUN.device, RUN.dtype)
+    if key not in _BUILT:
+        _BUILT[key] = _build(vocab)
+    tok, model = _BUILT[key]
+    return tok, model.eval()
+
+
+def _build(vocab: int):
     import torch
 
     from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
@@ -181,19 +194,33 @@ def _setup_memory() -> dict:
     return {"rss_after_setup_mb": rss_mb(), "maxrss_after_setup_mb": maxrss_mb(), "cuda_after_setup_mb": cuda_mb(False)}
 
 
+_ADAPTED: dict = {}  # (liger, lora) -> the model with them applied, once per process
+
+
+def _ours_model(vocab: int, liger: bool, lora: bool):
+    tok, model = build(vocab)
+    if (liger, lora) not in _ADAPTED:
+        if liger:
+            from SimpleTorchLLMRL.model.liger import apply_liger_kernels
+
+            apply_liger_kernels(model)
+        if lora:  # r=16 on every linear of the body, adapters in the base dtype (bf16)
+            from SimpleTorchLLMRL.model.lora import apply_lora
+
+            model = apply_lora(model, r=16, alpha=32)
+        _ADAPTED[(liger, lora)] = model
+    return tok, _ADAPTED[(liger, lora)].eval()
+
+
 def run_ours(vocab: int, steps: int = 2, profile: str | None = None, share: bool = True,
-             liger: bool = False) -> dict:
+             liger: bool = False, lora: bool = False) -> dict:
     import torch
 
     from SimpleTorchLLMRL.chat.message import Message, Rollout
     from SimpleTorchLLMRL.model.generate import ModelGenerate
     from SimpleTorchLLMRL.trainer.GRPO import GRPO
 
-    tok, model = build(vocab)
-    if liger:
-        from SimpleTorchLLMRL.model.liger import apply_liger_kernels
-
-        apply_liger_kernels(model)
+    tok, model = _ours_model(vocab, liger, lora)
     G = RUN.shape.group
     gen = ModelGenerate(model, tok, max_new_tokens=RUN.shape.new_tokens, temperature=1.0,
                         eos_token_ids=[vocab + 7])  # never sampled: every row runs N tokens, like min_new_tokens
@@ -330,7 +357,8 @@ def run_trl(vocab: int, steps: int = 2, profile: str | None = None, liger: bool 
 
 def run(variant: str, vocab: int, steps: int, profile: str | None) -> dict:
     if variant.startswith("ours"):
-        return run_ours(vocab, steps, profile, share=variant != "ours_unshared", liger=variant == "ours_liger")
+        return run_ours(vocab, steps, profile, share=variant != "ours_unshared", liger=variant == "ours_liger",
+                        lora=variant == "ours_lora")
     return run_trl(vocab, steps, profile, liger=variant == "trl_liger")
 
 

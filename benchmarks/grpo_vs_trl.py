@@ -83,9 +83,22 @@ def _source_hashes() -> dict[str, str]:
     return {f: hashlib.sha1((root / f).read_bytes()).hexdigest()[:10] for f in files if (root / f).exists()}
 
 
+def _timed_run(variant: str, vocab: int, timed_steps: int, profile: str | None) -> dict:
+    """One warm-up step and `timed_steps` timed ones; on CUDA the peak memory is this run's alone."""
+    if sides.RUN.device == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+    res = sides.run(variant, vocab, 1 + timed_steps, profile)
+    timed = [st["times"] for st in res["steps"][1:]]  # step 0 is the warm-up
+    res["timed"] = {c: {k: statistics.median(t[c][k] for t in timed) for k in timed[0][c]} for c in CLOCKS}
+    res["run_peak_cuda_mb"] = sides.cuda_mb(True)
+    return res
+
+
 def child(variant: str, vocab: int, threads: int, profile: str | None = None, patch: str | None = None,
           timed_steps: int = 1, shape: str = "tiny", device: str = "cpu", dtype: str = "float32",
-          gradient_checkpointing: bool = False) -> None:
+          gradient_checkpointing: bool = False, gc_both: bool = False) -> None:
     sides.env()
     sides.configure(shape, device, dtype, gradient_checkpointing)
     if sides.RUN.shape.model != "tiny":
@@ -99,9 +112,10 @@ def child(variant: str, vocab: int, threads: int, profile: str | None = None, pa
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    res = sides.run(variant, vocab, 1 + timed_steps, profile)
-    timed = [st["times"] for st in res["steps"][1:]]  # step 0 is the warm-up
-    res["timed"] = {c: {k: statistics.median(t[c][k] for t in timed) for k in timed[0][c]} for c in CLOCKS}
+    res = _timed_run(variant, vocab, timed_steps, profile)
+    if gc_both:  # the same process again with gradient checkpointing on: one model build, one import
+        sides.configure(shape, device, dtype, True)
+        res["gradient_checkpointing_on"] = _timed_run(variant, vocab, timed_steps, profile)
     import transformers
 
     res["source_sha1"] = _source_hashes()
@@ -124,12 +138,13 @@ def child(variant: str, vocab: int, threads: int, profile: str | None = None, pa
 
 def spawn(variant: str, vocab: int, threads: int, timeout: float, patch: str | None = None,
           timed_steps: int = 1, shape: str = "tiny", device: str = "cpu", dtype: str = "float32",
-          gradient_checkpointing: bool = False) -> dict:
+          gradient_checkpointing: bool = False, gc_both: bool = False) -> dict:
     """Run one variant in a fresh Python process; its RESULT line, plus the load average around it."""
     side = "ours" if variant == "ours_patched" else variant
     cmd = [sys.executable, os.path.abspath(__file__), "--child", side, "--vocab", str(vocab),
            "--threads", str(threads), "--timed-steps", str(timed_steps), "--shape", shape,
-           "--device", device, "--dtype", dtype] + (["--gradient-checkpointing"] if gradient_checkpointing else [])
+           "--device", device, "--dtype", dtype] + (["--gradient-checkpointing"] if gradient_checkpointing else []) \
+        + (["--gc-both"] if gc_both else [])
     if variant == "ours_patched":
         cmd += ["--patch", patch]
     load0 = os.getloadavg()
@@ -218,6 +233,8 @@ def main() -> None:
                     help="the model's dtype on both sides (default: float32 on CPU, bfloat16 on CUDA)")
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="recompute activations in backward on every side (TRL's default; off by default here)")
+    ap.add_argument("--gc-both", action="store_true",
+                    help="child: after the run, the same process again with gradient checkpointing on")
     ap.add_argument("--runs", type=int, default=5, help="measured processes per variant at the tiny shape (>= 5)")
     ap.add_argument("--runs-large", type=int, default=3,
                     help="measured processes per variant at the Qwen2.5-0.5B shapes (minutes each on 2 cores)")
@@ -255,7 +272,7 @@ def main() -> None:
     steps_for = lambda sh, v: a.timed_steps or (5 if sh == "tiny" and v <= 50_000 else 1)  # noqa: E731
     if a.child:
         child(a.child, a.vocab[0], a.threads, a.profile, a.patch, steps_for(a.shape[0], a.vocab[0]), a.shape[0],
-              a.device, a.dtype, a.gradient_checkpointing)
+              a.device, a.dtype, a.gradient_checkpointing, a.gc_both)
         return
     cases = [(sh, v) for sh in a.shape for v in (a.vocab if sh == "tiny" else [sides.QWEN25_05B["vocab_size"]])]
     runs_for = lambda sh: a.runs if sh == "tiny" else a.runs_large  # noqa: E731

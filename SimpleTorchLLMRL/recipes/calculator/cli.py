@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model's weights (auto: bfloat16 on cuda, float32 on cpu); a resumed run keeps it")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each layer's activations in backward (less memory, ~30%% more compute)")
+    p.add_argument("--liger", choices=("auto", "on", "off"), default="auto",
+                   help="Liger-Kernel's RMSNorm / SwiGLU / RoPE in the model's body (auto: on CUDA where "
+                        "liger-kernel is installed and covers the architecture; faster and leaner there)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of the full model")
     p.add_argument("--qlora", action="store_true", help="4-bit base + LoRA adapters (bitsandbytes)")
     p.add_argument("--lora-rank", type=int, default=16)
@@ -105,6 +108,8 @@ def resolve_device(args: argparse.Namespace) -> None:
         raise UsageError("--device cuda: CUDA is not available on this machine (use --device cpu or auto)")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.liger == "on" and args.device != "cuda":
+        raise UsageError(f"--liger on: Liger's kernels run on CUDA only (this run is on {args.device})")
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
 
@@ -245,8 +250,10 @@ def load_policy(args: argparse.Namespace):
             model = load_qlora(name, r=args.lora_rank, alpha=args.lora_alpha, compute_dtype=args.dtype,
                                gradient_checkpointing=args.gradient_checkpointing,
                                model_kwargs={"device_map": {"": args.device}})
+            args.liger = body_kernels(model, args)
         else:
             model = AutoModelForCausalLM.from_pretrained(name, dtype=args.dtype).to(args.device)
+            args.liger = body_kernels(model, args)
             if args.gradient_checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if args.lora:
@@ -260,6 +267,22 @@ def load_policy(args: argparse.Namespace):
     if getattr(tokenizer, "chat_template", None) is None:
         raise UsageError(f"--model {args.model}: its tokenizer has no chat template (needed for tool calls)")
     return model, tokenizer
+
+
+def body_kernels(model, args: argparse.Namespace) -> str:
+    """--liger on the loaded model: "on" when Liger's body kernels now run in it, else "off" (written back
+    into args, and so into checkpoints). "on" that cannot be honoured raises UsageError; "auto" falls back."""
+    if args.liger == "off" or args.device != "cuda":
+        return "off"
+    from SimpleTorchLLMRL.model.liger import apply_liger_kernels
+
+    try:
+        apply_liger_kernels(model)
+    except (ImportError, ValueError) as e:
+        if args.liger == "on":
+            raise UsageError(f"--liger on: {_first_line(e)}") from e
+        return "off"
+    return "on"
 
 
 def fail(error: BaseException, prog: str = "main.py", code: int = 2) -> int:
