@@ -369,7 +369,7 @@ STEP_SIDES = ("ours", "trl_liger", "ours_liger", "trl", "ours_lora")  # in order
 SMOKE_SIDES = ("ours", "trl", "ours_lora")
 
 
-def part_step(device: str, smoke: bool, timeout: float, out: dict, save, left) -> dict:
+def part_step(device: str, smoke: bool, timeout: float, out: dict, save, left, only=None) -> dict:
     """The whole GRPO step side by side (`grpo_vs_trl.spawn`), one process per side, gradient checkpointing
     off then on in that process; fills `out` and calls save() after each side (a run cut short keeps what it
     measured). Ours generates with the fast decode ("auto" on CUDA), TRL with HF `generate`."""
@@ -378,7 +378,7 @@ def part_step(device: str, smoke: bool, timeout: float, out: dict, save, left) -
 
     shape = "tiny" if smoke else "qwen2.5-0.5b-gpu"
     vocab = 512 if smoke else sides.QWEN25_05B["vocab_size"]
-    for side in SMOKE_SIDES if smoke else STEP_SIDES:
+    for side in only or (SMOKE_SIDES if smoke else STEP_SIDES):
         if left() < STEP_SIDE_S:
             out[side] = {"skipped": f"{left():.0f} s of the budget left, a side needs about {STEP_SIDE_S} s"}
             continue
@@ -457,6 +457,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=240, help="seconds per child process")
     ap.add_argument("--budget", type=float, default=450,
                     help="seconds for the whole check: a part (or a step side) that would not fit is skipped")
+    ap.add_argument("--sides", nargs="+", choices=STEP_SIDES, help="the step part's sides (default: all)")
     ap.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)  # internal: run one part in this process
     a = ap.parse_args()
 
@@ -500,7 +501,7 @@ def main() -> None:
             if "error" in triton:  # our side falls back to the "gpu" head kernel rather than failing
                 os.environ["GRPO_SIDES_HEAD_IMPL"] = res["step_head_impl"] = "gpu"
             res[part] = {}
-            part_step(device, a.smoke, a.timeout, res[part], save, left)
+            part_step(device, a.smoke, a.timeout, res[part], save, left, a.sides)
         else:
             res[part] = run_child([*smoke, "--part", part], min(a.timeout, left()))
         shown = {k: v for k, v in res[part].items() if k not in ("table", "top15")}
