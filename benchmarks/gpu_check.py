@@ -5,7 +5,7 @@
     python benchmarks/gpu_check.py --smoke    # CPU, tiny shapes: checks every part's code path
 
 Parts, in order of importance, each in its own process (a crash or an out-of-memory in one is recorded,
-the rest still run); `--budget` seconds (default 450) bound the whole run: a part, or a side of the step
+the rest still run); `--budget` seconds (default 480) bound the whole run: a part, or a side of the step
 part, that would not fit is skipped and says so in the JSON:
 
     profile      our loss + backward at the qwen2.5-0.5b-gpu shape (16 prompts x 8 completions x 256 tokens,
@@ -455,7 +455,7 @@ def main() -> None:
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     ap.add_argument("--out", type=Path, default=None, help=f"results JSON (default {RESULTS}; --smoke: not written)")
     ap.add_argument("--timeout", type=float, default=240, help="seconds per child process")
-    ap.add_argument("--budget", type=float, default=450,
+    ap.add_argument("--budget", type=float, default=480,
                     help="seconds for the whole check: a part (or a step side) that would not fit is skipped")
     ap.add_argument("--sides", nargs="+", choices=STEP_SIDES, help="the step part's sides (default: all)")
     ap.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)  # internal: run one part in this process
