@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 
 from SimpleTorchLLMRL.chat.message import Rollout
-from SimpleTorchLLMRL.chat.tokenize import encode_rollouts
 from SimpleTorchLLMRL.model.logprobs import (
     final_hidden_states,
     logit_softcap,
@@ -36,6 +35,7 @@ from SimpleTorchLLMRL.model.logprobs import (
     token_logprobs,
 )
 from SimpleTorchLLMRL.model.shared_prefix import PrefixPlan, first_positions, plan_shared_prefix
+from SimpleTorchLLMRL.reward.length import OverlongPenalty
 from SimpleTorchLLMRL.trainer import advantages as A
 from SimpleTorchLLMRL.trainer.batch import (
     StepOutput,
@@ -127,9 +127,9 @@ class GRPO:
         return [x for x, k in zip(rollouts, keep.tolist(), strict=True) if k], r[keep]
 
     def overlong_penalty(self, rollouts: list[Rollout], max_length: int, cache_length: int) -> torch.Tensor:
-        """DAPO soft overlong punishment from each rollout's trained-token count, (B,); add it to the rewards."""
-        enc = encode_rollouts(list(rollouts), self.tokenizer)
-        return A.overlong_penalty(torch.tensor([sum(e.loss_mask) for e in enc]), max_length, cache_length)
+        """DAPO soft overlong punishment, (B,); add it to the rewards. A thin caller of the reward
+        `reward.length.OverlongPenalty(scope="all")`: the length is every MODEL turn's generated tokens."""
+        return OverlongPenalty(max_length, cache_length, scope="all", tokenizer=self.tokenizer)(list(rollouts))
 
     # -- the loss
 
