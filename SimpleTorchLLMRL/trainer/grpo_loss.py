@@ -247,12 +247,14 @@ def grpo_metrics(config: GRPOConfig, x: TokenInputs, loss: torch.Tensor, logp: t
     st = stats if stats is not None else token_terms(config, x, logp, slice(None))[1]
     ratio = torch.exp(st["log_ratio"].detach())
     mean = lambda t: t.detach().float().mean()  # noqa: E731
+    count = lambda n: torch.full((), n, dtype=torch.long, device=logp.device)  # noqa: E731  a fill, no copy
     low, high = mean(st["clipped_low"]), mean(st["clipped_high"])
     out = LazyMetrics(loss=loss.detach())
     if entropy is not None:
         out["entropy"] = mean(entropy)
     out.update(ratio_mean=mean(ratio), ratio_min=ratio.min(), ratio_max=ratio.max(), clip_frac_low=low,
-               clip_frac_high=high, num_tokens=int(logp.numel()), num_sequences=x.rows, clip_frac=low + high)
+               clip_frac_high=high, num_tokens=count(logp.numel()), num_sequences=count(x.rows),
+               clip_frac=low + high)
     if "kl" in st:
         out["kl"] = mean(st["kl"])
     if "tis" in st:  # the off-policy correction: its mean weight, the fractions clipped and masked

@@ -139,7 +139,8 @@ def ppo_loss(*, logprobs: torch.Tensor, mask: torch.Tensor, config: PPOConfig, n
                        advantage_mean=mean(advantages.expand_as(mf)), clip_frac_low=low, clip_frac_high=high,
                        ratio_mean=mean(ratio), ratio_min=torch.where(m, ratio, torch.inf).min(),
                        ratio_max=torch.where(m, ratio, -torch.inf).max(), num_tokens=m.sum(),
-                       num_sequences=mask.shape[0], clip_frac=low + high)
+                       num_sequences=torch.full((), mask.shape[0], dtype=torch.long, device=mask.device),
+                       clip_frac=low + high)
         if ref_logprobs is not None:
             metrics["kl"] = mean(KL_ESTIMATORS[config.kl_estimator](logprobs, ref_logprobs))
         metrics.update(off)
