@@ -123,6 +123,7 @@ def test_ppo_share_prefix_and_fused_match_the_plain_path(options, qwen2_model, c
     for ppo in (plain, other):
         prepared = ppo.prepare(rollouts, REWARDS)
         assert (prepared.prefix_plan is not None) == ppo.compute_options.share_prefix
+        assert ppo._fused(prepared) == (ppo is other and options.get("fused", False))  # the path under test runs
         parts = prepared.split(4)  # micro-batches: the full batch's normalizer
         metrics = []
         for mb in parts:
@@ -242,3 +243,21 @@ def test_the_samplers_logprobs_old_name_warns_once(chatml_tokenizer):
     assert torch.equal(torch.nan_to_num(same), torch.nan_to_num(batch.sampler_logprobs))
     assert [(w.category, str(w.message).split(";")[0], w.filename) for w in caught] == [
         (DeprecationWarning, "Batch.old_logprobs is deprecated", __file__)]
+
+
+@pytest.mark.parametrize("impl", ["cpu", "gpu"])
+def test_ppo_fused_and_shared_prefix_wait_for_nothing(impl, qwen2_model, chatml_tokenizer):
+    from test_host_syncs import SyncCounter, assert_no_sync
+
+    model, tok = qwen2_model, chatml_tokenizer
+    rollouts = with_sampled_logprobs(make_rollouts(2, 3), perturbed_copy(model, 0.2), tok, temperature=1.0)
+    ppo = PPO(model, tok, beta=0.05, ref_model=perturbed_copy(model), tis_cap=2.0, head_impl=impl, chunk_size=8,
+              share_prefix=True, fused=True)
+    prepared = ppo.prepare(rollouts, REWARDS)
+    ppo.calculate_loss(prepared).backward()  # the shared-prefix check runs once per model, before counting
+    model.zero_grad()
+    parts = prepared.split(3)
+    with SyncCounter() as counter:
+        for mb in parts:
+            ppo.compute(mb).loss.backward()
+    assert_no_sync(counter)
