@@ -37,7 +37,7 @@ def drift_under(model, tokenizer, rollouts, rewards, group_size: int):
     grpo = GRPO(model, tokenizer, group_size=group_size, temperature=1.0)
     parts = []
     for micro in grpo.prepare(rollouts, rewards).split(4):
-        out = grpo.compute(micro)  # StepOutput(loss, metrics, token_logprobs)
+        out = grpo.compute(micro)  # LossOutput(loss, metrics, token_logprobs)
         parts.append((micro.batch, out.token_logprobs.float()))
     return logprob_drift(rollouts, parts)
 

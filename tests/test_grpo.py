@@ -302,9 +302,12 @@ def test_dapo_helpers(qwen2_model, chatml_tokenizer):
     rollouts = make_rollouts(2, 3)
     kept, r = grpo.filter_groups(rollouts, [1.0, 1.0, 1.0, 0.0, 1.0, 0.0])
     assert kept == rollouts[3:] and r.tolist() == [0.0, 1.0, 0.0]
-    pen = grpo.overlong_penalty(rollouts, max_length=8, cache_length=4)
-    lengths = batch_of(rollouts, chatml_tokenizer).loss_mask.sum(-1).float()
-    expect = torch.where(lengths <= 4, 0.0, torch.where(lengths <= 8, (4 - lengths) / 4, -1.0))
+    pen = grpo.overlong_penalty(rollouts, max_length=10, cache_length=4)
+    # the response's generated tokens (what max_new_tokens caps), not the trained ones (+ end-of-turn)
+    lengths = torch.tensor([float(len(chatml_tokenizer(r[-1].content, add_special_tokens=False)["input_ids"]))
+                            for r in rollouts])
+    assert len(set(lengths.tolist())) > 1 and bool(((lengths > 6) & (lengths < 10)).all()), "on the ramp"
+    expect = torch.where(lengths <= 6, 0.0, torch.where(lengths <= 10, (6 - lengths) / 4, -1.0))
     torch.testing.assert_close(pen, expect)
 
 

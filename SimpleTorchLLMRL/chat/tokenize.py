@@ -45,6 +45,7 @@ import torch
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.template import ChatTemplate, chat_template_for
+from SimpleTorchLLMRL.utils.warn import warn_deprecated
 
 NAN = float("nan")
 
@@ -70,7 +71,9 @@ class EncodedRollout:
 
     @property
     def old_logprobs(self) -> list[float] | None:
-        """Deprecated spelling of `sampler_logprobs` (the generator's, not the trainer's old policy)."""
+        """Deprecated spelling of `sampler_logprobs` (the generator's, not the trainer's old policy,
+        which `TrainBatch.old_logprobs` holds)."""
+        warn_deprecated("EncodedRollout.old_logprobs", "EncodedRollout.sampler_logprobs (the generator's log-probs)")
         return self.sampler_logprobs
 
 
@@ -115,7 +118,9 @@ class Batch:
 
     @property
     def old_logprobs(self) -> torch.Tensor | None:
-        """Deprecated spelling of `sampler_logprobs` (the generator's, not the trainer's old policy)."""
+        """Deprecated spelling of `sampler_logprobs` (the generator's, not the trainer's old policy,
+        which `TrainBatch.old_logprobs` holds)."""
+        warn_deprecated("Batch.old_logprobs", "Batch.sampler_logprobs (the generator's log-probs)")
         return self.sampler_logprobs
 
     @property

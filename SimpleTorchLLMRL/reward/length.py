@@ -17,11 +17,29 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.reward.base import Reward, check_finite
 
 SCOPES = ("last", "all")
 UNITS = ("tokens", "chars")
+
+
+def overlong_penalty(lengths, max_length: int, cache_length: int, penalty: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (eq. 13), the one implementation: lengths (B,) -> (B,) float32.
+
+    0 while L <= max_length - cache_length, then linear to -penalty at max_length, and -penalty
+    beyond. L is the response length in generated tokens (what `max_new_tokens` caps; the
+    `OverlongPenalty` reward counts it per rollout, `GRPO.overlong_penalty` calls that reward).
+    """
+    if cache_length < 0 or cache_length > max_length:
+        raise ValueError(f"overlong cache_length must be in [0, max_length={max_length}], got {cache_length}")
+    L = torch.as_tensor(lengths).to(torch.float32)
+    start = max_length - cache_length
+    ramp = (start - L) / max(cache_length, 1)
+    full = torch.full_like(L, -1.0)
+    return penalty * torch.where(L <= start, torch.zeros_like(L), torch.where(L <= max_length, ramp, full))
 
 
 class _LengthReward(Reward):
@@ -97,9 +115,4 @@ class OverlongPenalty(_LengthReward):
         self.penalty = check_finite("penalty", penalty)
 
     def penalty_for(self, length: int) -> float:
-        safe = self.max_length - self.cache_length
-        if length <= safe:
-            return 0.0
-        if length <= self.max_length:
-            return self.penalty * (safe - length) / self.cache_length
-        return -self.penalty
+        return float(overlong_penalty([length], self.max_length, self.cache_length, self.penalty)[0])

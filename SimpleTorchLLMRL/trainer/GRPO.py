@@ -12,7 +12,7 @@ Several epochs / micro-batches over the same rollouts:
     for _ in range(epochs):
         outs = []
         for mb in prepared.split(4):                   # each keeps the full batch's normalizer
-            out = grpo.compute(mb)                     # LossOutput(loss, metrics, token_logprobs)
+            out = grpo.compute(mb)                     # LossOutput(loss, metrics, token_logprobs (B, T))
             out.loss.backward()                        # accumulated grads == one big batch
             outs.append(out)
         metrics = combine_metrics([o.metrics for o in outs])  # == one full-batch call's metrics
@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 
 from SimpleTorchLLMRL.chat.message import Rollout
-from SimpleTorchLLMRL.chat.tokenize import encode_rollouts
 from SimpleTorchLLMRL.model.logprobs import (
     final_hidden_states,
     logit_softcap,
@@ -36,6 +35,7 @@ from SimpleTorchLLMRL.model.logprobs import (
     token_logprobs,
 )
 from SimpleTorchLLMRL.model.shared_prefix import PrefixPlan, first_positions, plan_shared_prefix
+from SimpleTorchLLMRL.reward.length import OverlongPenalty
 from SimpleTorchLLMRL.trainer import advantages as A
 from SimpleTorchLLMRL.trainer.batch import (
     StepOutput,
@@ -47,38 +47,49 @@ from SimpleTorchLLMRL.trainer.batch import (
     model_device,
     reference_logprobs,
     resolve_temperature,
-    split_options,
     staleness_metrics,
     trained_index,
     trained_mask,
     warn_if_dropout,
 )
 from SimpleTorchLLMRL.trainer.combine import LazyMetrics
-from SimpleTorchLLMRL.trainer.grpo_loss import GRPOConfig, grpo_loss, token_inputs
-from SimpleTorchLLMRL.trainer.losses import default_normalizer
+from SimpleTorchLLMRL.trainer.grpo_loss import GRPOConfig, LossOutput, grpo_loss, token_inputs
+from SimpleTorchLLMRL.trainer.off_policy import OffPolicy
+from SimpleTorchLLMRL.trainer.options import UNSET, ComputeOptions, build_options, named_options
 from SimpleTorchLLMRL.utils.warn import warn_user
 
-__all__ = ["GRPO", "GRPOConfig", "TrainBatch", "StepOutput"]
+__all__ = ["GRPO", "GRPOConfig", "TrainBatch", "StepOutput", "LossOutput"]
+
+_NOT_OPTIONS = frozenset({"self", "model", "tokenizer", "config", "compute", "ref_model"})
 
 
 class GRPO:
     """Group-relative policy optimization over `Rollout`s; `calculate_loss` returns a scalar tensor.
 
-    Options: `GRPOConfig`'s (the math) and `ComputeOptions`' (chunk_size, head_impl, fused, share_prefix,
-    max_length, truncate). `metrics` and `token_logprobs` record the last loss call, nothing more:
+    `GRPO(model, tokenizer, config=None, compute=None, **options)`, as `PPO`: options are `GRPOConfig`'s
+    (the math) and `ComputeOptions`' (chunk_size, head_impl, fused, share_prefix, max_length, truncate), each a
+    named keyword argument; an unknown one raises `UnknownOptionError` (a TypeError) naming it. `metrics` and `token_logprobs` record the last loss call, nothing more:
     `compute` returns them.
     """
 
     name = "GRPO"
 
-    def __init__(self, model, tokenizer, eps: float = 0.2, eps_high: float | None = None, beta: float = 0.0,
-                 ref_model=None, loss_type: str = "grpo", importance_sampling_level: str = "token",
-                 group_size: int | None = None, scale_rewards: bool | str = True, temperature: float | None = None,
-                 **options):
-        math, self.compute_options = split_options(self.name, options, GRPOConfig)
-        self.config = GRPOConfig(eps=eps, eps_high=eps_high, beta=beta, loss_type=loss_type,
-                                 importance_sampling_level=importance_sampling_level, group_size=group_size,
-                                 scale_rewards=scale_rewards, temperature=temperature, **math)
+    @named_options
+    def __init__(self, model, tokenizer, config: GRPOConfig | None = None, compute: ComputeOptions | None = None, *,
+                 ref_model=None,
+                 eps: float = UNSET, eps_high: float | None = UNSET, beta: float = UNSET, loss_type: str = UNSET,
+                 importance_sampling_level: str = UNSET, group_size: int | None = UNSET,
+                 scale_rewards: bool | str = UNSET, temperature: float | None = UNSET,
+                 advantage_estimator: str = UNSET, kl_estimator: str = UNSET, tis_cap: float | None = UNSET,
+                 off_policy: OffPolicy | dict | None = UNSET, max_tokens: int | None = UNSET,
+                 dual_clip: float | None = UNSET, kl_bias_correction: bool = UNSET, reward_eps: float = UNSET,
+                 chunk_size: int | None = UNSET, head_impl: str = UNSET, max_length: int | None = UNSET,
+                 truncate: bool = UNSET, fused: bool | None = UNSET, share_prefix: bool = UNSET):
+        """config: a `GRPOConfig` (the math), compute: `ComputeOptions` (how it is computed); each keyword
+        overrides its field (left out: the config's value, else the default documented there).
+        ref_model: the reference policy for beta > 0 (None with a peft model: its adapter off)."""
+        given = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
+        self.config, self.compute_options = build_options(self.name, GRPOConfig, config, compute, given)
         check_policy(self.name, model, tokenizer, ref_model, self.config.beta)
         self.model, self.tokenizer, self.ref_model = model, tokenizer, ref_model
         self.policy_version: int | None = None  # the trainer's current version: staleness metrics when set
@@ -116,9 +127,9 @@ class GRPO:
         return [x for x, k in zip(rollouts, keep.tolist(), strict=True) if k], r[keep]
 
     def overlong_penalty(self, rollouts: list[Rollout], max_length: int, cache_length: int) -> torch.Tensor:
-        """DAPO soft overlong punishment from each rollout's trained-token count, (B,); add it to the rewards."""
-        enc = encode_rollouts(list(rollouts), self.tokenizer)
-        return A.overlong_penalty(torch.tensor([sum(e.loss_mask) for e in enc]), max_length, cache_length)
+        """DAPO soft overlong punishment, (B,); add it to the rewards. A thin caller of the reward
+        `reward.length.OverlongPenalty(scope="all")`: the length is every MODEL turn's generated tokens."""
+        return OverlongPenalty(max_length, cache_length, scope="all", tokenizer=self.tokenizer)(list(rollouts))
 
     # -- the loss
 
@@ -161,18 +172,20 @@ class GRPO:
                    "frac_zero_advantage": (adv == 0).float().mean().item(),
                    "frac_constant_groups": 1 - A.nonconstant_groups(r, group).float().mean().item(),
                    "temperature": temperature, **staleness_metrics(rollouts, self.policy_version)}
-        norm = default_normalizer(cfg.spec.aggregate, mask, cfg.max_tokens)
+        norm = cfg.spec.aggregator.normalizer(mask, cfg.max_tokens)
         device = batch.input_ids.device
         return TrainBatch(batch, mask, r.to(device), temperature, norm, advantages=adv.to(device),
                           old_logprobs=old, ref_logprobs=ref, metrics=metrics, token_index=index, prefix_plan=plan)
 
     def normalizer_for(self, rollouts: list[Rollout]) -> float:
         """The aggregator's denominator for this full batch of rollouts (for your own micro-batching)."""
-        return default_normalizer(self.config.spec.aggregate, trained_mask(self.encode(rollouts)),
-                                  self.config.max_tokens)
+        return self.config.spec.aggregator.normalizer(trained_mask(self.encode(rollouts)), self.config.max_tokens)
 
-    def compute(self, tb: TrainBatch, normalizer: float | None = None) -> StepOutput:
-        """Loss, metrics and recomputed log-probs of a prepared (micro-)batch; see `calculate_loss`.
+    def compute(self, tb: TrainBatch, normalizer: float | None = None) -> LossOutput:
+        """`LossOutput(loss, metrics, token_logprobs)` of a prepared (micro-)batch; see `calculate_loss`.
+
+        metrics: the loss unit's (`grpo_loss`) with the batch's (rewards, advantages, temperature),
+        a `LazyMetrics` of tensors until read; token_logprobs (B, T), NaN where not trained.
 
         normalizer: the FULL batch's denominator when micro-batching yourself: sequences
         for grpo/gspo, trained tokens for dapo/bnpo/cispo, sequences x max_tokens for
@@ -192,11 +205,11 @@ class GRPO:
         out = grpo_loss(h, output_head(self.model), y, token_inputs(tb, index, norm, cfg), cfg,
                         temperature=tb.temperature, chunk_size=opts.chunk_size, softcap=logit_softcap(self.model),
                         fused=opts.fused, head_impl=opts.head_impl)
-        full = torch.full((B * T,), torch.nan, device=out.logprobs.device)  # (B, T) flat
-        full = full.index_copy(0, index + 1, out.logprobs.float()).view(B, T)
+        full = torch.full((B * T,), torch.nan, device=out.token_logprobs.device)  # (B, T) flat
+        full = full.index_copy(0, index + 1, out.token_logprobs.float()).view(B, T)
         metrics = LazyMetrics.merged(tb.metrics, out.metrics, temperature=tb.temperature)  # tensors until read
         self.metrics, self.token_logprobs = metrics, full  # the record of this call
-        return StepOutput(out.loss, metrics, full)
+        return LossOutput(out.loss, metrics, full)
 
     def loss(self, tb: TrainBatch, normalizer: float | None = None) -> torch.Tensor:
         """The scalar loss of a prepared (micro-)batch (`compute(...).loss`)."""

@@ -16,21 +16,22 @@ for GRPO for several epochs / micro-batches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from SimpleTorchLLMRL.chat.message import Rollout
 from SimpleTorchLLMRL.model.logprobs import (
-    DEFAULT_CHUNK_SIZE,
     final_hidden_states,
+    fused_token_loss,
+    logit_softcap,
     logprobs_at,
+    output_head,
+    supports_fused,
     token_logprobs,
 )
+from SimpleTorchLLMRL.model.shared_prefix import PrefixPlan, first_positions, plan_shared_prefix
 from SimpleTorchLLMRL.trainer import advantages as A
 from SimpleTorchLLMRL.trainer.batch import (
-    ComputeOptions,
     StepOutput,
     TrainBatch,
     as_train_batch,
@@ -38,7 +39,6 @@ from SimpleTorchLLMRL.trainer.batch import (
     check_rewards,
     encode,
     model_device,
-    old_and_tis,
     reference_logprobs,
     resolve_temperature,
     staleness_metrics,
@@ -47,119 +47,20 @@ from SimpleTorchLLMRL.trainer.batch import (
     warn_if_dropout,
 )
 from SimpleTorchLLMRL.trainer.combine import LazyMetrics
-from SimpleTorchLLMRL.trainer.losses import KL_ESTIMATORS, Clip, clipped_surrogate, token_mean, value_loss
-from SimpleTorchLLMRL.trainer.off_policy import (
-    OffPolicy,
-    as_off_policy,
-    correction_metrics,
-    correction_weights,
-    mismatch_metrics,
+from SimpleTorchLLMRL.trainer.losses import KL_ESTIMATORS, LossOutput
+from SimpleTorchLLMRL.trainer.off_policy import OffPolicy, correction_weights
+from SimpleTorchLLMRL.trainer.options import UNSET, ComputeOptions, build_options, named_options
+from SimpleTorchLLMRL.trainer.ppo_loss import (  # noqa: F401  (their old import path)
+    PPOConfig,
+    off_policy_terms,
+    ppo_loss,
+    ppo_token_loss,
+    ratio_old,
 )
 
+__all__ = ["PPO", "PPOConfig", "ppo_loss", "TrainBatch", "StepOutput", "LossOutput"]
 
-@dataclass
-class PPOConfig:
-    """The options that change PPO's math; each is also a keyword argument of `PPO`.
-
-    eps / eps_high / dual_clip: policy ratio clip. vf_coef: weight of the value loss.
-    gamma, lam: GAE. cliprange_value: value clip around the old values (None: off).
-    beta: per-token KL penalty in the reward (kl_estimator, default k1); 0 skips the reference.
-    whiten_advantages: normalize advantages over the batch's trained tokens.
-    temperature: None follows the rollouts' sampling temperature (see GRPOConfig).
-    off_policy: an `OffPolicy` (or a dict of its fields), the correction between the trainer's and the
-    sampler's log-probs (`trainer.off_policy`; see GRPOConfig); tis_cap=c: its old spelling of OffPolicy.tis(c).
-    (chunk_size, head_impl, max_length, truncate are `ComputeOptions`.)
-    """
-
-    eps: float = 0.2
-    eps_high: float | None = None
-    dual_clip: float | None = None
-    vf_coef: float = 0.1
-    gamma: float = 1.0
-    lam: float = 0.95
-    cliprange_value: float | None = 0.2
-    beta: float = 0.0
-    kl_estimator: str = "k1"
-    whiten_advantages: bool = True
-    temperature: float | None = None
-    tis_cap: float | None = None
-    off_policy: OffPolicy | dict | None = None
-
-    def __post_init__(self):
-        checks = [
-            ("vf_coef", self.vf_coef >= 0, ">= 0"), ("gamma", 0 <= self.gamma <= 1, "in [0, 1]"),
-            ("lam", 0 <= self.lam <= 1, "in [0, 1]"), ("beta", self.beta >= 0, ">= 0"),
-            ("cliprange_value", self.cliprange_value is None or self.cliprange_value > 0, "None or > 0"),
-            ("kl_estimator", self.kl_estimator in KL_ESTIMATORS, f"one of {sorted(KL_ESTIMATORS)}"),
-            ("temperature", self.temperature is None or self.temperature > 0, "None or > 0"),
-            ("tis_cap", self.tis_cap is None or self.tis_cap > 0, "None or > 0"),
-        ]
-        for name, ok, allowed in checks:
-            if not ok:
-                raise ValueError(f"PPO {name}={getattr(self, name)!r} is invalid; expected {allowed}")
-        self.off_policy = as_off_policy("PPO", self.off_policy, self.tis_cap)
-        self.clip = Clip(self.eps, self.eps if self.eps_high is None else self.eps_high, self.dual_clip)
-
-
-def ppo_loss(logp: torch.Tensor, entropy: torch.Tensor, values: torch.Tensor, old: torch.Tensor,
-             tis: torch.Tensor | None, adv: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor,
-             mask: torch.Tensor, config: PPOConfig, normalizer: float,
-             ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, LazyMetrics]:
-    """PPO's loss unit, pure: policy loss + vf_coef * value loss (token means over the FULL batch's
-    `normalizer` trained tokens), and its metrics in `combine_metrics` form (a `LazyMetrics`: tensors
-    until read, no host sync). Every tensor (B, T)."""
-    per_token, clip_stats = clipped_surrogate(logp - old, logp, adv, config.clip)
-    if tis is not None:
-        per_token = per_token * tis
-    policy_loss = token_mean(per_token, mask, normalizer)
-    vf_loss = token_mean(value_loss(values, old_values, returns, config.cliprange_value), mask, normalizer)
-    loss = policy_loss + config.vf_coef * vf_loss
-    with torch.no_grad():  # 0-dim tensors: nothing waits for the device until the metrics are read
-        m = mask.bool()
-        mf = m.float()
-        count = mf.sum()
-        mean = lambda x: (x.detach().float() * mf).sum() / count  # noqa: E731  over the trained tokens
-        ratio = torch.exp(logp.detach() - old)
-        low, high = mean(clip_stats["clipped_low"]), mean(clip_stats["clipped_high"])
-        metrics = LazyMetrics(loss=loss.detach(), policy_loss=policy_loss.detach(), value_loss=vf_loss.detach(),
-                              entropy=mean(entropy), value_mean=mean(values), return_mean=mean(returns),
-                              advantage_mean=mean(adv), clip_frac_low=low, clip_frac_high=high,
-                              ratio_mean=mean(ratio), ratio_min=torch.where(m, ratio, torch.inf).min(),
-                              ratio_max=torch.where(m, ratio, -torch.inf).max(), num_tokens=m.sum(),
-                              num_sequences=mask.shape[0], clip_frac=low + high)
-        if ref_logprobs is not None:
-            metrics["kl"] = mean(KL_ESTIMATORS[config.kl_estimator](logp, ref_logprobs))
-    return loss, metrics
-
-
-def ratio_old(trainer_old: torch.Tensor, sampled: torch.Tensor | None, mask: torch.Tensor,
-              off_policy: OffPolicy | None) -> torch.Tensor:
-    """The old log-probs of the ratio, (B, T): with a correction the trainer's own, else the sampler's where known."""
-    if off_policy is None:
-        return old_and_tis(trainer_old, sampled, mask, None)[0]
-    return torch.where(mask.bool(), trainer_old, 0.0)
-
-
-def off_policy_terms(op: OffPolicy | None, trainer_old: torch.Tensor, sampled: torch.Tensor | None,
-                     adv: torch.Tensor, logp: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor | None, dict]:
-    """(the correction weight (B, T) or None, its and the mismatch's metrics) at the trained tokens.
-
-    index: `trained_index(mask)` (N,); the trained tokens are at index + 1 of the flat (B, T) batch.
-    No host sync: the tokens are read with `index_select`, the weights written back with `index_copy`."""
-    if sampled is None:
-        return None, {}
-    B, T = trainer_old.shape
-    at = index + 1  # (N,) flat positions of the trained tokens
-    pick = lambda t: t.reshape(-1).index_select(0, at)  # noqa: E731  (B, T) -> (N,)
-    row = torch.div(at, T, rounding_mode="floor")
-    metrics = mismatch_metrics(pick(trainer_old), pick(sampled), row, B)
-    if op is None:
-        return None, metrics
-    weight, stats = correction_weights(op, pick(trainer_old), pick(sampled), row, B, pick(adv.expand(B, T)),
-                                       pick(logp))
-    metrics.update(correction_metrics(weight, stats))
-    full = torch.ones(B * T, dtype=weight.dtype, device=weight.device).index_copy(0, at, weight).view(B, T)
-    return full, metrics
+_NOT_OPTIONS = frozenset({"self", "model", "tokenizer", "config", "compute", "value_head", "critic", "ref_model"})
 
 
 def hidden_size(model) -> int:
@@ -173,27 +74,31 @@ def hidden_size(model) -> int:
 class PPO:
     """Actor-critic PPO over `Rollout`s; `calculate_loss` returns policy + vf_coef * value loss.
 
+    `PPO(model, tokenizer, config=None, compute=None, **options)`, as `GRPO`: options are `PPOConfig`'s and
+    `ComputeOptions`' (chunk_size, head_impl, fused, share_prefix, max_length, truncate), each a named keyword
+    argument, plus value_head, critic and ref_model; an unknown one raises `UnknownOptionError` (a TypeError).
     `metrics` and `token_logprobs` record the last loss call; `compute` returns them."""
 
     name = "PPO"
 
-    def __init__(self, model, tokenizer, value_head: nn.Module | None = None, critic=None, ref_model=None, *,
-                 eps: float = 0.2, eps_high: float | None = None, dual_clip: float | None = None,
-                 vf_coef: float = 0.1, gamma: float = 1.0, lam: float = 0.95, cliprange_value: float | None = 0.2,
-                 beta: float = 0.0, kl_estimator: str = "k1", whiten_advantages: bool = True,
-                 temperature: float | None = None, tis_cap: float | None = None,
-                 off_policy: OffPolicy | dict | None = None,
-                 chunk_size: int | None = DEFAULT_CHUNK_SIZE, head_impl: str = "auto", max_length: int | None = None,
-                 truncate: bool = False):
-        """The options are PPOConfig's and ComputeOptions' (see their docstrings); value_head: a module
-        (H -> 1), default a new Linear on the policy's (or the critic's) hidden size; critic: a separate
-        model for the values."""
-        self.config = PPOConfig(eps=eps, eps_high=eps_high, dual_clip=dual_clip, vf_coef=vf_coef, gamma=gamma,
-                                lam=lam, cliprange_value=cliprange_value, beta=beta, kl_estimator=kl_estimator,
-                                whiten_advantages=whiten_advantages, temperature=temperature, tis_cap=tis_cap,
-                                off_policy=off_policy)
-        self.compute_options = ComputeOptions(chunk_size=chunk_size, head_impl=head_impl, max_length=max_length,
-                                              truncate=truncate)
+    @named_options
+    def __init__(self, model, tokenizer, config: PPOConfig | None = None, compute: ComputeOptions | None = None, *,
+                 value_head: nn.Module | None = None, critic=None, ref_model=None,
+                 eps: float = UNSET, eps_high: float | None = UNSET, dual_clip: float | None = UNSET,
+                 vf_coef: float = UNSET, gamma: float = UNSET, lam: float = UNSET,
+                 cliprange_value: float | None = UNSET, beta: float = UNSET, kl_estimator: str = UNSET,
+                 whiten_advantages: bool = UNSET, temperature: float | None = UNSET, tis_cap: float | None = UNSET,
+                 off_policy: OffPolicy | dict | None = UNSET,
+                 chunk_size: int | None = UNSET, head_impl: str = UNSET, max_length: int | None = UNSET,
+                 truncate: bool = UNSET, fused: bool | None = UNSET, share_prefix: bool = UNSET):
+        """config: a `PPOConfig` (the math), compute: `ComputeOptions` (how it is computed); each keyword
+        overrides its field (left out: the config's value, else the default documented there).
+        value_head: a module (H -> 1), default a new Linear on the policy's (or the critic's) hidden size;
+        critic: a separate model for the values; ref_model: the reference for beta > 0 (None with a peft
+        model: its adapter off). fused=True: the policy term's gradient is formed chunk by chunk in the
+        forward when the head allows (a prepared batch, token-level corrections); None / False: two passes."""
+        given = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
+        self.config, self.compute_options = build_options(self.name, PPOConfig, config, compute, given)
         check_policy(self.name, model, tokenizer, ref_model, self.config.beta)
         self.model, self.tokenizer, self.ref_model, self.critic = model, tokenizer, ref_model, critic
         if value_head is None:
@@ -220,16 +125,28 @@ class PPO:
         v = self.value_head(hidden[:, :-1].to(head_dtype)).squeeze(-1).float()  # (B, T-1)
         return torch.cat([v.new_zeros(v.shape[0], 1), v], dim=1)
 
-    def _forward(self, batch, mask, temperature, index=None):
-        """One policy forward -> (logp, entropy, values), all (B, T); index: `trained_index(mask)` (no sync)."""
-        # a Batch is right-padded: a causal mask alone keeps padding out of every real position (no host sync)
-        hidden = final_hidden_states(self.model, batch.input_ids, batch.attention_mask, right_padded=True)
+    def prefix_plan(self, batch, mask: torch.Tensor) -> PrefixPlan:
+        """Which rows share their tokens before the first trained one (`share_prefix`); waits for the device."""
+        return plan_shared_prefix(batch.input_ids, batch.attention_mask, first_positions(mask))
+
+    def _hidden(self, model, batch, plan: PrefixPlan | None) -> torch.Tensor:
+        """(B, T, H) final hidden states of a right-padded batch (exact from each row's first trained position)."""
+        return final_hidden_states(model, batch.input_ids, batch.attention_mask, prefix_plan=plan, right_padded=True)
+
+    def _forward(self, batch, mask, temperature, index=None, plan: PrefixPlan | None = None):
+        """One policy forward -> (logp, entropy, values, hidden), all (B, T) but hidden (B, T, H).
+
+        index: `trained_index(mask)` (no sync); plan: the shared prefixes (`share_prefix`)."""
+        o = self.compute_options
+        hidden = self._hidden(self.model, batch, plan)
         logp, ent = logprobs_at(hidden, self.model, batch.input_ids, mask, temperature=temperature,
-                                chunk_size=self.compute_options.chunk_size, head_impl=self.compute_options.head_impl,
-                                index=index)
+                                chunk_size=o.chunk_size, head_impl=o.head_impl, index=index)
+        return logp, ent, self._values(batch, mask, hidden, plan), hidden
+
+    def _values(self, batch, mask, hidden, plan):
         if self.critic is not None:
-            hidden = final_hidden_states(self.critic, batch.input_ids, batch.attention_mask, right_padded=True)
-        return logp, ent, self.values(hidden) * mask.to(torch.float32)
+            hidden = self._hidden(self.critic, batch, plan)
+        return self.values(hidden) * mask.to(torch.float32)
 
     def token_rewards(self, tb: TrainBatch, old_logp: torch.Tensor) -> torch.Tensor:
         """Terminal reward on the last trained token minus beta * KL(old || ref) on every trained token, (B, T)."""
@@ -255,44 +172,88 @@ class PPO:
         index = trained_index(mask)  # (N,) found before any forward: the loss never waits for the device
         temperature = resolve_temperature(self.name, cfg.temperature, batch.sampling_temperature)
         ref = None
+        plan = self.prefix_plan(batch, mask) if opts.share_prefix else None  # found before any forward
         if cfg.beta > 0:
             ref = reference_logprobs(self.model, self.ref_model, lambda m: token_logprobs(
-                m, batch, temperature, opts.chunk_size, positions=mask, head_impl=opts.head_impl))
+                m, batch, temperature, opts.chunk_size, positions=mask, head_impl=opts.head_impl,
+                share_prefix=opts.share_prefix))
         tb = TrainBatch(batch, mask, r.to(batch.input_ids.device), temperature, float(mask.sum()), ref_logprobs=ref,
                         metrics={"reward_mean": r.mean().item(), "reward_std": r.std().item() if len(r) > 1 else 0.0,
                                  "temperature": temperature, **staleness_metrics(rollouts, self.policy_version)},
-                        token_index=index)
+                        token_index=index, prefix_plan=plan)
         if compute_old:
             with torch.no_grad():
-                logp, _, values = self._forward(batch, mask, temperature, index)
+                logp, _, values, _ = self._forward(batch, mask, temperature, index, plan)
             old = ratio_old(logp, batch.sampler_logprobs, mask, cfg.off_policy)
             tb.old_logprobs, tb.old_values = logp, values
             tb.advantages, tb.returns = self._advantages(tb, old, values)
         return tb
 
-    def compute(self, tb: TrainBatch, normalizer: float | None = None) -> StepOutput:
-        """Loss, metrics and recomputed log-probs of a prepared (micro-)batch.
+    def compute(self, tb: TrainBatch, normalizer: float | None = None) -> LossOutput:
+        """`LossOutput(loss, metrics, token_logprobs)` of a prepared (micro-)batch (`ppo_loss` plus the batch's
+        metrics; token_logprobs (B, T), NaN where not trained).
 
         normalizer: the FULL batch's trained tokens when micro-batching yourself (a `split` keeps it)."""
-        cfg, mask = self.config, tb.mask
+        cfg, opts, mask = self.config, self.compute_options, tb.mask
         if not self._dropout_checked:
             self._dropout_checked = warn_if_dropout(self.name, self.model)
         index = tb.token_index if tb.token_index is not None else trained_index(mask)
-        logp, ent, values = self._forward(tb.batch, mask, tb.temperature, index)
+        plan = (tb.prefix_plan if tb.prefix_plan is not None else self.prefix_plan(tb.batch, mask)) \
+            if opts.share_prefix else None
+        norm = normalizer if normalizer is not None else tb.normalizer
+        policy_loss = None
+        if self._fused(tb):
+            logp, ent, values, policy_loss = self._fused_forward(tb, index, plan, norm)
+        else:
+            logp, ent, values, _ = self._forward(tb.batch, mask, tb.temperature, index, plan)
         trainer_old = tb.old_logprobs if tb.old_logprobs is not None else logp.detach()
-        old = ratio_old(trainer_old, tb.sampler_logprobs, mask, cfg.off_policy)
         old_values = tb.old_values if tb.old_values is not None else values.detach()
         adv, returns = (tb.advantages, tb.returns) if tb.advantages is not None else self._advantages(
-            tb, old, old_values)
-        norm = normalizer if normalizer is not None else tb.normalizer
-        tis, off = off_policy_terms(cfg.off_policy, trainer_old, tb.sampler_logprobs, adv, logp, index)
-        loss, metrics = ppo_loss(logp, ent, values, old, tis, adv, returns, old_values, mask, cfg, norm,
-                                 tb.ref_logprobs)
-        metrics.update(off)
-        metrics = LazyMetrics.merged(tb.metrics, metrics, temperature=tb.temperature)  # tensors until read
+            tb, ratio_old(trainer_old, tb.sampler_logprobs, mask, cfg.off_policy), old_values)
+        out = ppo_loss(logprobs=logp, mask=mask, config=cfg, normalizer=norm, advantages=adv, values=values,
+                       old_values=old_values, returns=returns, old_logprobs=tb.old_logprobs,
+                       sampler_logprobs=tb.sampler_logprobs, ref_logprobs=tb.ref_logprobs, entropy=ent, index=index,
+                       policy_loss=policy_loss)
+        metrics = LazyMetrics.merged(tb.metrics, out.metrics, temperature=tb.temperature)  # tensors until read
         full = torch.where(mask.bool(), logp.detach().float(), torch.nan)  # (B, T), for `logprob_drift`
         self.metrics, self.token_logprobs = metrics, full  # the record of this call
-        return StepOutput(loss, metrics, full)
+        return LossOutput(out.loss, metrics, full)
+
+    def _fused(self, tb: TrainBatch) -> bool:
+        """Whether the policy gradient is formed chunk by chunk in the forward: fused=True (None and False: the
+        two-pass head), a prepared batch (advantages known before the forward), token-level corrections only
+        and a plain Linear head; otherwise two passes, with the same values."""
+        op = self.config.off_policy
+        return (self.compute_options.fused is True and tb.advantages is not None
+                and not (op is not None and op.needs_whole_sequences)
+                and supports_fused(output_head(self.model), logit_softcap(self.model)))
+
+    def _fused_forward(self, tb: TrainBatch, index: torch.Tensor, plan, normalizer: float):
+        """(logp (B, T) detached, entropy (B, T), values (B, T), the policy term with grad) in one chunked pass."""
+        cfg, o, mask, batch = self.config, self.compute_options, tb.mask, tb.batch
+        B, T = mask.shape
+        hidden = self._hidden(self.model, batch, plan)  # (B, T, H)
+        at = index + 1  # (N,) flat positions of the trained tokens
+        pick = lambda t: t.reshape(-1).index_select(0, at)  # noqa: E731  (B, T) -> (N,)
+        h, y = hidden.reshape(B * T, -1).index_select(0, index), pick(batch.input_ids)  # (N, H), (N,)
+        nan = torch.full(at.shape, torch.nan, device=mask.device)
+        trainer_old = pick(tb.old_logprobs) if tb.old_logprobs is not None else nan  # NaN: the current, detached
+        sampled = pick(tb.sampler_logprobs) if tb.sampler_logprobs is not None else nan
+        adv = pick(tb.advantages.expand(B, T)).float()
+        row = torch.div(at, T, rounding_mode="floor")
+        weight = pick(mask.to(torch.float32)) / max(float(normalizer), 1.0)  # token mean over the FULL batch
+
+        def token_loss(lp, sl):  # (n,) -> (n,): elementwise in lp, everything else a constant
+            told = torch.where(torch.isnan(trainer_old[sl]), lp.detach(), trainer_old[sl])
+            old = ratio_old(told, sampled[sl], None, cfg.off_policy)
+            tis = None if cfg.off_policy is None else correction_weights(
+                cfg.off_policy, told, sampled[sl], row[sl], B, adv[sl], lp)[0]
+            return ppo_token_loss(cfg, lp, old, adv[sl], tis)[0] * weight[sl]
+
+        policy_loss, lp, ent = fused_token_loss(h, output_head(self.model), y, token_loss, temperature=tb.temperature,
+                                                chunk_size=o.chunk_size, head_impl=o.head_impl)
+        full = lambda v: torch.zeros(B * T, device=v.device).index_copy(0, at, v.float()).view(B, T)  # noqa: E731
+        return full(lp), full(ent), self._values(batch, mask, hidden, plan), policy_loss
 
     def loss(self, tb: TrainBatch, normalizer: float | None = None) -> torch.Tensor:
         """The scalar loss of a prepared (micro-)batch (`compute(...).loss`)."""

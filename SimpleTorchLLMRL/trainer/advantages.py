@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from SimpleTorchLLMRL.reward.length import overlong_penalty  # noqa: F401  DAPO's, its old import path here
+
 
 def groups_from_size(batch_size: int, group_size: int) -> torch.Tensor:
     """Consecutive blocks of `group_size`: (B,) long."""
@@ -152,17 +154,6 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 
 
 # ---------------------------------------------------------------- DAPO reward shaping
-
-
-def overlong_penalty(lengths: torch.Tensor, max_length: int, cache_length: int) -> torch.Tensor:
-    """DAPO soft overlong punishment, (B,): 0 up to max_length - cache_length, then
-    a linear ramp down to -1 at max_length, and -1 beyond. Add it to the rewards."""
-    if cache_length < 0 or cache_length > max_length:
-        raise ValueError(f"overlong cache_length must be in [0, max_length={max_length}], got {cache_length}")
-    L = lengths.to(torch.float32)
-    start = max_length - cache_length
-    ramp = (start - L) / max(cache_length, 1)
-    return torch.where(L <= start, torch.zeros_like(L), torch.where(L <= max_length, ramp, -torch.ones_like(L)))
 
 
 def nonconstant_groups(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,7 @@ that keep the full batch's normalizer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
-from typing import NamedTuple
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -25,11 +24,11 @@ from SimpleTorchLLMRL.chat.message import Rollout, sampled_versions
 from SimpleTorchLLMRL.chat.tokenize import Batch, rollouts_to_batch
 from SimpleTorchLLMRL.model.adapters import use_adapter
 from SimpleTorchLLMRL.model.dropout import active_dropout
-from SimpleTorchLLMRL.model.logprobs import DEFAULT_CHUNK_SIZE, HEAD_IMPLS, check_vocabulary
+from SimpleTorchLLMRL.model.logprobs import check_vocabulary
 from SimpleTorchLLMRL.model.lora import is_peft_model
 from SimpleTorchLLMRL.model.shared_prefix import PrefixPlan, first_positions, plan_shared_prefix
-from SimpleTorchLLMRL.trainer.combine import LazyMetrics
-from SimpleTorchLLMRL.trainer.losses import truncated_is_weight
+from SimpleTorchLLMRL.trainer.losses import LossOutput, old_and_tis  # noqa: F401  (old_and_tis: its old import path)
+from SimpleTorchLLMRL.trainer.options import ComputeOptions, split_options  # noqa: F401  (their old import path)
 from SimpleTorchLLMRL.utils.warn import warn_user
 
 # ---------------------------------------------------------------- checks
@@ -152,29 +151,6 @@ def reference_logprobs(model, ref_model, logprobs: Callable) -> torch.Tensor:
         return logprobs(model)
 
 
-# ---------------------------------------------------------------- old policy
-
-
-def old_and_tis(trainer_old: torch.Tensor, sampled: torch.Tensor | None, mask: torch.Tensor | None,
-                tis_cap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Old log-probs for the ratio, and the TIS weight (None without tis_cap), both shaped as `trainer_old`.
-
-    The one place GRPO and PPO decide what "old" means. Without TIS the generator's sampled
-    log-probs are the old policy where known (the trainer's recomputed ones elsewhere). With
-    TIS the ratio uses the trainer's recomputed log-probs and min(pi_trainer / pi_sampler, cap)
-    reweights each token. Positions outside `mask` (None: every position is trained) get finite
-    values so nothing NaN reaches the graph. Works on (B, T) and on (N,) trained tokens alike.
-    """
-    m = torch.ones_like(trainer_old, dtype=torch.bool) if mask is None else mask.bool()
-    if sampled is None:
-        return torch.where(m, trainer_old, 0.0), None
-    known = m & ~torch.isnan(sampled)
-    if tis_cap is None:
-        return torch.where(known, sampled, torch.where(m, trainer_old, 0.0)), None
-    weight = truncated_is_weight(trainer_old, torch.where(known, sampled, torch.nan), tis_cap)
-    return torch.where(m, trainer_old, 0.0), weight
-
-
 # ---------------------------------------------------------------- the batch a loss reads
 
 
@@ -243,17 +219,7 @@ class TrainBatch:
         return out
 
 
-class StepOutput(NamedTuple):
-    """One loss call: the scalar loss, its metrics (`combine_metrics` form) and the recomputed log-probs.
-
-    metrics: a `LazyMetrics` dict: its values are device tensors until the first read (after
-    `backward()`, so the step never waits for the device), then numbers.
-    token_logprobs: (B, T) float32, the trainer's log-prob of each trained token, NaN elsewhere
-    (for `logprob_drift`)."""
-
-    loss: torch.Tensor
-    metrics: LazyMetrics
-    token_logprobs: torch.Tensor
+StepOutput = LossOutput  # the fronts' `compute` returns the loss units' type; token_logprobs (B, T), NaN off the mask
 
 
 def as_train_batch(rollouts, rewards, prepare: Callable[..., TrainBatch]) -> TrainBatch:
@@ -265,43 +231,3 @@ def as_train_batch(rollouts, rewards, prepare: Callable[..., TrainBatch]) -> Tra
     if rewards is None:
         raise ValueError("calculate_loss(rollouts, rewards) needs one reward per rollout")
     return prepare(rollouts, rewards, compute_old=False)
-
-
-@dataclass
-class ComputeOptions:
-    """How the numbers are computed, not what they are; keyword arguments of `GRPO` and `PPO`.
-
-    chunk_size: trained tokens scored per chunk of the output head (None: by kernel). head_impl: the
-    chunk kernel, "auto" (triton / gpu on CUDA, else cpu), "cpu", "gpu" or "triton" (`model.logprobs`). fused:
-    False: the two-pass head, chunked log-probs and entropy without autograd, the loss once on them, the
-    logits recomputed in backward (`model.logprobs._TwoPassHead`); True: GRPO's token-level loss forms its
-    gradient chunk by chunk in the forward (`fused_token_loss`) when the head allows (one logits pass
-    less, an autograd graph per chunk); None (default): two-pass on the "gpu" / "triton" kernels, fused
-    on "cpu" (`grpo_loss.grpo_loss`). Same values either way. share_prefix: the rows of a group run their shared
-    prompt once (`model.shared_prefix`; checked against the plain forward once per model).
-    max_length / truncate: as `encode_rollout`.
-    """
-
-    chunk_size: int | None = DEFAULT_CHUNK_SIZE
-    head_impl: str = "auto"
-    max_length: int | None = None
-    truncate: bool = False
-    fused: bool | None = None
-    share_prefix: bool = False
-
-    def __post_init__(self):
-        if self.chunk_size is not None and self.chunk_size < 1:
-            raise ValueError(f"chunk_size={self.chunk_size!r} is invalid; expected None or an int >= 1")
-        if self.head_impl not in HEAD_IMPLS:
-            raise ValueError(f"head_impl={self.head_impl!r} is invalid; expected one of {HEAD_IMPLS}")
-
-
-def split_options(name: str, options: dict, config_cls) -> tuple[dict, ComputeOptions]:
-    """Keyword arguments -> (those of `config_cls`, ComputeOptions); ValueError naming unknown ones."""
-    compute = {f.name for f in fields(ComputeOptions)}
-    math = {f.name for f in fields(config_cls)}
-    unknown = sorted(set(options) - compute - math)
-    if unknown:
-        raise ValueError(f"{name} got unknown options {unknown}; allowed: {sorted(compute | math)}")
-    return ({k: v for k, v in options.items() if k in math},
-            ComputeOptions(**{k: v for k, v in options.items() if k in compute}))

@@ -103,13 +103,13 @@ def _gaps(rollouts, parts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     for batch, recomputed in parts:
         if not isinstance(batch, Batch):
             raise TypeError(f"logprob_drift takes (Batch, recomputed log-probs) pairs, got {type(batch).__name__}")
-        if batch.old_logprobs is None or batch.message_index is None:
+        if batch.sampler_logprobs is None or batch.message_index is None:
             raise ValueError("logprob_drift needs a batch with sampled log-probs and message indices (rollouts "
                              "from a generator, encoded with encode_rollouts / rollouts_to_batch)")
         if tuple(recomputed.shape) != tuple(batch.input_ids.shape):
             raise ValueError(f"recomputed log-probs have shape {tuple(recomputed.shape)}, the batch "
                              f"{tuple(batch.input_ids.shape)}; pass (B, T) log-probs aligned with input_ids")
-        old = batch.old_logprobs.detach().double().cpu()  # (B, T)
+        old = batch.sampler_logprobs.detach().double().cpu()  # (B, T)
         new = recomputed.detach().double().cpu()  # (B, T)
         index = batch.message_index.cpu()  # (B, T)
         r, t = (torch.isfinite(old) & torch.isfinite(new) & (index >= 0)).nonzero(as_tuple=True)

@@ -1,9 +1,13 @@
-"""The GRPO family's loss as one pure unit: trained tokens in, `(loss, metrics)` out, no state.
+"""The GRPO family's loss as one pure unit: trained tokens in, `LossOutput(loss, metrics, token_logprobs)` out.
 
 Legend: B rollouts, T tokens, N trained tokens of the batch, n of a chunk, H hidden size.
 
     x = token_inputs(tb, select, normalizer, config)          # constants of the per-token loss, (N,)
-    out = grpo_loss(h, head, y, x, config, temperature=...)   # LossOutput(loss, metrics, logprobs (N,))
+    out = grpo_loss(h, head, y, x, config, temperature=...)   # LossOutput(loss, metrics, token_logprobs (N,))
+
+    # the same loss on (B, T) log-prob tensors, keyword-only inputs named by source:
+    out = grpo_token_loss(logprobs=lp, advantages=adv, mask=mask, config=config, old_logprobs=old,
+                          sampler_logprobs=sampled, ref_logprobs=ref, normalizer=n)
 
 `metrics` are in the form `combine_metrics` adds up over micro-batches:
 `loss` (a share of the full-batch loss), token means with `num_tokens`, min / max. They are a
@@ -30,14 +34,16 @@ from SimpleTorchLLMRL.model.logprobs import (
     supports_fused,
 )
 from SimpleTorchLLMRL.trainer import advantages as A
-from SimpleTorchLLMRL.trainer.batch import TrainBatch, old_and_tis
+from SimpleTorchLLMRL.trainer.batch import TrainBatch
 from SimpleTorchLLMRL.trainer.combine import LazyMetrics
 from SimpleTorchLLMRL.trainer.losses import (
     KL_ESTIMATORS,
     LOSS_TYPES,
     RATIO_LEVELS,
     Clip,
-    aggregation_weights,
+    LossOutput,
+    old_and_tis,
+    sequence_log_ratio,
 )
 from SimpleTorchLLMRL.trainer.off_policy import (
     OffPolicy,
@@ -136,24 +142,16 @@ class GRPOConfig:
 
 
 class TokenInputs(NamedTuple):
-    """The per-token constants of GRPO's loss, each (N,) over the batch's N trained tokens."""
+    """The per-token constants of GRPO's loss, each (N,) over the batch's N trained tokens, named by source."""
 
     advantages: torch.Tensor  # the rollout's advantage, repeated on each of its tokens
-    trainer_old: torch.Tensor  # old log-probs recomputed by the trainer (NaN: not computed, on-policy)
-    sampled: torch.Tensor  # the generator's log-probs (NaN where unknown)
-    ref: torch.Tensor | None  # reference log-probs (None when beta == 0)
+    old_logprobs: torch.Tensor  # recomputed by the trainer before the update (NaN: not computed, on-policy)
+    sampler_logprobs: torch.Tensor  # the generator's (NaN where unknown)
+    ref_logprobs: torch.Tensor | None  # the reference policy's (None when beta == 0)
     weight: torch.Tensor  # the aggregator's weight of each token (normalizer included)
     row: torch.Tensor  # long: the rollout each token belongs to
     rows: int  # B
     has_sampled: bool = False  # whether the batch carries sampler log-probs (the mismatch metrics)
-
-
-class LossOutput(NamedTuple):
-    """What a loss unit returns: the scalar loss, its metrics, and the trained tokens' log-probs (detached)."""
-
-    loss: torch.Tensor
-    metrics: LazyMetrics  # 0-dim tensors until read
-    logprobs: torch.Tensor  # (N,) float32, the order of the trained tokens
 
 
 def token_inputs(tb: TrainBatch, select: torch.Tensor, normalizer: float, config: GRPOConfig) -> TokenInputs:
@@ -173,10 +171,10 @@ def token_inputs(tb: TrainBatch, select: torch.Tensor, normalizer: float, config
     nan = torch.full(row.shape, torch.nan, device=mask.device)  # (N,)
     return TokenInputs(
         advantages=tb.advantages.float().index_select(0, row),
-        trainer_old=pick(tb.old_logprobs) if tb.old_logprobs is not None else nan,
-        sampled=pick(tb.sampler_logprobs) if tb.sampler_logprobs is not None else nan,
-        ref=pick(tb.ref_logprobs) if tb.ref_logprobs is not None else None,
-        weight=pick(aggregation_weights(config.spec.aggregate, mask, normalizer)),
+        old_logprobs=pick(tb.old_logprobs) if tb.old_logprobs is not None else nan,
+        sampler_logprobs=pick(tb.sampler_logprobs) if tb.sampler_logprobs is not None else nan,
+        ref_logprobs=pick(tb.ref_logprobs) if tb.ref_logprobs is not None else None,
+        weight=pick(config.spec.aggregator.weights(mask, normalizer)),
         row=row,
         rows=B,
         has_sampled=tb.sampler_logprobs is not None,
@@ -185,17 +183,16 @@ def token_inputs(tb: TrainBatch, select: torch.Tensor, normalizer: float, config
 
 def token_terms(config: GRPOConfig, x: TokenInputs, lp: torch.Tensor, sl: slice):
     """(weighted per-token loss (n,), stats) for the trained tokens `sl`, from their log-probs lp (n,)."""
-    trainer_old = torch.where(torch.isnan(x.trainer_old[sl]), lp.detach(), x.trainer_old[sl])
+    trainer_old = torch.where(torch.isnan(x.old_logprobs[sl]), lp.detach(), x.old_logprobs[sl])
+    sampled = x.sampler_logprobs[sl]
     op = config.off_policy
-    old, _ = old_and_tis(trainer_old, x.sampled[sl], None, None)  # as PPO decides it: the sampler's where known
+    old, _ = old_and_tis(trainer_old, sampled, None, None)  # as PPO decides it: the sampler's where known
     tis = None
     if op is not None:  # decoupled: the ratio against the trainer's own, the sampler's corrected by a weight
         old = trainer_old
-        tis, correction = correction_weights(op, trainer_old, x.sampled[sl], x.row[sl], x.rows, x.advantages[sl], lp)
+        tis, correction = correction_weights(op, trainer_old, sampled, x.row[sl], x.rows, x.advantages[sl], lp)
     if config.ratio_level == "sequence":  # GSPO: one length-normalized ratio per rollout (needs every token)
-        row, n = x.row, x.rows
-        count = torch.zeros(n, device=lp.device).index_add_(0, row, torch.ones_like(lp))
-        log_ratio = (torch.zeros(n, device=lp.device).index_add(0, row, lp - old) / count.clamp(min=1))[row]
+        log_ratio = sequence_log_ratio(lp - old, x.row, x.rows)
     else:
         log_ratio = lp - old
     loss, stats = config.spec.policy_loss(log_ratio, lp, x.advantages[sl], config.clip)
@@ -205,7 +202,7 @@ def token_terms(config: GRPOConfig, x: TokenInputs, lp: torch.Tensor, sl: slice)
         stats["tis"], stats["correction"] = tis, correction
         loss = loss * tis
     if config.beta > 0:
-        stats["kl"] = KL_ESTIMATORS[config.kl_estimator](lp, x.ref[sl])
+        stats["kl"] = KL_ESTIMATORS[config.kl_estimator](lp, x.ref_logprobs[sl])
         kl = stats["kl"] * torch.exp(log_ratio) if config.kl_bias_correction else stats["kl"]
         loss = loss + config.beta * kl
     return loss * x.weight[sl], stats
@@ -242,7 +239,7 @@ def grpo_loss(h: torch.Tensor, head, y: torch.Tensor, x: TokenInputs, config: GR
 
 @torch.no_grad()
 def grpo_metrics(config: GRPOConfig, x: TokenInputs, loss: torch.Tensor, logp: torch.Tensor,
-                 entropy: torch.Tensor, stats: dict | None = None) -> LazyMetrics:
+                 entropy: torch.Tensor | None, stats: dict | None = None) -> LazyMetrics:
     """Loss, entropy, ratio and clip statistics of one (micro-)batch, in `combine_metrics`' form.
 
     stats: `token_terms`' statistics of these log-probs when the loss already computed them.
@@ -250,14 +247,57 @@ def grpo_metrics(config: GRPOConfig, x: TokenInputs, loss: torch.Tensor, logp: t
     st = stats if stats is not None else token_terms(config, x, logp, slice(None))[1]
     ratio = torch.exp(st["log_ratio"].detach())
     mean = lambda t: t.detach().float().mean()  # noqa: E731
+    count = lambda n: torch.full((), n, dtype=torch.long, device=logp.device)  # noqa: E731  a fill, no copy
     low, high = mean(st["clipped_low"]), mean(st["clipped_high"])
-    out = LazyMetrics(loss=loss.detach(), entropy=mean(entropy), ratio_mean=mean(ratio), ratio_min=ratio.min(),
-                      ratio_max=ratio.max(), clip_frac_low=low, clip_frac_high=high, num_tokens=int(logp.numel()),
-                      num_sequences=x.rows, clip_frac=low + high)
+    out = LazyMetrics(loss=loss.detach())
+    if entropy is not None:
+        out["entropy"] = mean(entropy)
+    out.update(ratio_mean=mean(ratio), ratio_min=ratio.min(), ratio_max=ratio.max(), clip_frac_low=low,
+               clip_frac_high=high, num_tokens=count(logp.numel()), num_sequences=count(x.rows),
+               clip_frac=low + high)
     if "kl" in st:
         out["kl"] = mean(st["kl"])
     if "tis" in st:  # the off-policy correction: its mean weight, the fractions clipped and masked
         out.update(correction_metrics(st["tis"], st["correction"]))
     if x.has_sampled:  # KL / chi-square / ESS / perplexity ratio between the sampler and the trainer
-        out.update(mismatch_metrics(st["trainer_old"], x.sampled, x.row, x.rows))
+        out.update(mismatch_metrics(st["trainer_old"], x.sampler_logprobs, x.row, x.rows))
     return out
+
+
+def grpo_token_loss(*, logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: GRPOConfig,
+                    old_logprobs: torch.Tensor | None = None, sampler_logprobs: torch.Tensor | None = None,
+                    ref_logprobs: torch.Tensor | None = None, normalizer: float | None = None,
+                    entropy: torch.Tensor | None = None) -> LossOutput:
+    """The GRPO family's loss on (B, T) log-prob tensors, the same math as `grpo_loss` without the head.
+
+    logprobs (B, T) with grad (e.g. `model.logprobs.token_logprobs(..., positions=mask)`);
+    advantages (B,); mask (B, T) 1 on trained tokens; old_logprobs (B, T) the trainer's before
+    the update (None or NaN: on-policy, `logprobs` detached); sampler_logprobs (B, T) the
+    generator's (NaN where unknown); ref_logprobs (B, T), needed when config.beta > 0;
+    normalizer: the FULL batch's (None: this batch's, `config.spec.aggregator.normalizer`);
+    entropy (B, T): reported as the `entropy` metric when given. Returns `LossOutput(loss,
+    metrics, token_logprobs (B, T) detached)`. Waits for the device once (finding the trained tokens).
+    """
+    if config.beta > 0 and ref_logprobs is None:
+        raise ValueError(f"grpo_token_loss: config.beta={config.beta} > 0 needs ref_logprobs=")
+    for name, t in (("mask", mask), ("old_logprobs", old_logprobs), ("sampler_logprobs", sampler_logprobs),
+                    ("ref_logprobs", ref_logprobs), ("entropy", entropy)):
+        if t is not None and t.shape != logprobs.shape:
+            raise ValueError(f"grpo_token_loss: {name} has shape {tuple(t.shape)}, logprobs {tuple(logprobs.shape)}")
+    B, T = mask.shape
+    select = mask.bool()  # (B, T)
+    select[:, 0] = False  # nothing predicts the first token
+    row = torch.arange(B, device=mask.device)[:, None].expand(B, T)[select]  # (N,)
+    nan = torch.full(row.shape, torch.nan, device=mask.device)
+    norm = normalizer if normalizer is not None else config.spec.aggregator.normalizer(select, config.max_tokens)
+    x = TokenInputs(advantages=advantages.float().to(mask.device).index_select(0, row),
+                    old_logprobs=old_logprobs[select].float() if old_logprobs is not None else nan,
+                    sampler_logprobs=sampler_logprobs[select].float() if sampler_logprobs is not None else nan,
+                    ref_logprobs=ref_logprobs[select].float() if ref_logprobs is not None else None,
+                    weight=config.spec.aggregator.weights(select, norm)[select], row=row, rows=B,
+                    has_sampled=sampler_logprobs is not None)
+    lp = logprobs[select]  # (N,) with grad
+    terms, stats = token_terms(config, x, lp, slice(None))
+    loss = terms.sum()
+    metrics = grpo_metrics(config, x, loss, lp.detach(), None if entropy is None else entropy[select], stats)
+    return LossOutput(loss, metrics, logprobs.detach())

@@ -1,4 +1,5 @@
-"""Pure policy-gradient loss pieces: ratios, KL estimators, surrogates, aggregation.
+"""The pieces every loss unit shares: `LossOutput`, ratios, what "old" means, KL estimators, surrogates,
+aggregators.
 
 Legend: B batch, T tokens. Every per-token tensor is (B, T) and aligned with
 input_ids; `mask` (B, T) is 1 on the tokens that are trained. Per-token losses
@@ -7,32 +8,81 @@ caller-supplied `normalizer`, so summing micro-batch losses that share the
 full batch's normalizer equals the full-batch loss.
 
 The GRPO family is a table of compositions (`LOSS_TYPES`): a per-token
-policy loss, the ratio level and an aggregator.
+policy loss, the ratio level and an aggregator. The loss units themselves are one file per
+family: `grpo_loss`, `ppo_loss`, `distill_loss`, `sft`, `dpo` (docs/losses.md lists them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+# ---------------------------------------------------------------- what a loss unit returns
+
+
+class LossOutput(NamedTuple):
+    """What every loss unit (and every front's `compute`) returns.
+
+    loss: the scalar loss with grad, a share of the full batch's when a normalizer was passed.
+    metrics: a dict of 0-dim tensors (a `combine.LazyMetrics` from the GRPO family, PPO and the
+    fronts), in `combine_metrics`' form: nothing waits for the device until a value is read.
+    token_logprobs: the trained tokens' log-probs, detached, shaped as the unit's input: (N,)
+    for `grpo_loss` (hidden states of the N trained tokens), (B, T) for the units on (B, T)
+    tensors and for the fronts' `compute` (NaN where not trained there).
+    """
+
+    loss: torch.Tensor
+    metrics: dict
+    token_logprobs: torch.Tensor
+
+    @property
+    def logprobs(self) -> torch.Tensor:
+        """The old name of `token_logprobs`."""
+        return self.token_logprobs
+
 
 # ---------------------------------------------------------------- importance ratios
 
 
 def token_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
-    """log pi / pi_old per token, (B, T)."""
+    """log pi / pi_old per token, any shape."""
     return logp - old_logp
 
 
-def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """GSPO: the length-normalized sequence log-ratio, broadcast to every token, (B, T).
+def sequence_log_ratio(log_ratio: torch.Tensor, row: torch.Tensor, rows: int) -> torch.Tensor:
+    """GSPO: each rollout's length-normalized log-ratio, mean_t (log pi - log pi_old), on each of its tokens.
 
-    s_i = exp(mean_t (log pi - log pi_old) over the trained tokens of row i).
+    log_ratio (n,) per trained token, row (n,) long its rollout, rows B -> (n,). The gradient
+    of token t's entry flows to every token of its rollout, 1 / |rollout| each.
     """
-    m = mask.to(logp.dtype)
-    per_seq = ((logp - old_logp) * m).sum(-1) / m.sum(-1).clamp(min=1)  # (B,)
-    return per_seq[:, None].expand_as(logp)
+    count = torch.zeros(rows, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(
+        0, row, torch.ones_like(log_ratio))  # (B,)
+    total = torch.zeros(rows, dtype=log_ratio.dtype, device=log_ratio.device).index_add(0, row, log_ratio)
+    return (total / count.clamp(min=1)).index_select(0, row)
+
+
+def old_and_tis(trainer_old: torch.Tensor, sampled: torch.Tensor | None, mask: torch.Tensor | None,
+                tis_cap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Old log-probs for the ratio, and the TIS weight (None without tis_cap), both shaped as `trainer_old`.
+
+    The one place GRPO and PPO decide what "old" means. trainer_old: the trainer's own old
+    log-probs (`old_logprobs`); sampled: the generator's (`sampler_logprobs`, NaN where unknown).
+    Without TIS the sampler's log-probs are the old policy where known (the trainer's
+    elsewhere). With TIS the ratio uses the trainer's and min(pi_trainer / pi_sampler, cap)
+    reweights each token. Positions outside `mask` (None: every position is trained) get finite
+    values so nothing NaN reaches the graph. Works on (B, T) and on (N,) trained tokens alike.
+    """
+    m = torch.ones_like(trainer_old, dtype=torch.bool) if mask is None else mask.bool()
+    if sampled is None:
+        return torch.where(m, trainer_old, 0.0), None
+    known = m & ~torch.isnan(sampled)
+    if tis_cap is None:
+        return torch.where(known, sampled, torch.where(m, trainer_old, 0.0)), None
+    weight = truncated_is_weight(trainer_old, torch.where(known, sampled, torch.nan), tis_cap)
+    return torch.where(m, trainer_old, 0.0), weight
 
 
 # ---------------------------------------------------------------- KL estimators (samples from pi)
@@ -123,62 +173,93 @@ def truncated_is_weight(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, 
 # ---------------------------------------------------------------- aggregation
 
 
-def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask.to(x.dtype)).sum()
+class Aggregator:
+    """One way to turn per-token losses (B, T) into a scalar; owns its weights and its normaliser.
+
+    `normalizer(mask)` is the FULL batch's denominator (pass it to every micro-batch: their
+    losses then add up to the full batch's); `weights(mask, normalizer)` (B, T) are the
+    per-token weights with `self(x, mask, normalizer) == (x * weights).sum()`, 0 off the mask.
+    A normalizer of None means this batch's own (`normalizer(mask)`).
+    """
+
+    name: str
+
+    def normalizer(self, mask: torch.Tensor, max_tokens: int | None = None) -> float:
+        raise NotImplementedError
+
+    def _weights(self, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """(the weights before dividing by the normaliser (B, T), this batch's own normaliser)."""
+        raise NotImplementedError
+
+    def weights(self, mask: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:
+        m, own = self._weights(mask.to(torch.float32))
+        return m / max(float(own if normalizer is None else normalizer), 1.0)
+
+    def __call__(self, x: torch.Tensor, mask: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:
+        m, own = self._weights(mask.to(x.dtype))
+        return (x * m).sum() / max(float(own if normalizer is None else normalizer), 1.0)
+
+    def __repr__(self) -> str:
+        return f"Aggregator({self.name!r})"
 
 
-def token_mean(x: torch.Tensor, mask: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:
-    """sum over trained tokens / normalizer (default: their count). DAPO / BNPO / CISPO."""
-    n = mask.sum() if normalizer is None else normalizer
-    return masked_sum(x, mask) / max(float(n), 1.0)
+class TokenMean(Aggregator):
+    """sum over trained tokens / their count (DAPO, BNPO, CISPO, PPO). Normaliser: the trained tokens."""
+
+    name = "token_mean"
+
+    def normalizer(self, mask, max_tokens=None):
+        return float(mask.sum())
+
+    def _weights(self, m):
+        return m, m.sum()
 
 
-def sequence_mean_token_mean(x: torch.Tensor, mask: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:
-    """mean over rows of (mean over the row's trained tokens); normalizer = number of rows. GRPO / GSPO."""
-    m = mask.to(x.dtype)
-    per_row = (x * m).sum(-1) / m.sum(-1).clamp(min=1)  # (B,)
-    n = x.shape[0] if normalizer is None else normalizer
-    return per_row.sum() / max(float(n), 1.0)
+class SequenceMeanTokenMean(Aggregator):
+    """mean over rows of (mean over the row's trained tokens) (GRPO, GSPO). Normaliser: the rows."""
+
+    name = "sequence_mean_token_mean"
+
+    def normalizer(self, mask, max_tokens=None):
+        return float(mask.shape[0])
+
+    def _weights(self, m):
+        return m / m.sum(-1, keepdim=True).clamp(min=1), m.shape[0]
 
 
-def token_sum_constant(x: torch.Tensor, mask: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:
-    """sum over trained tokens / a constant (Dr. GRPO: rows x max tokens). Default constant: B x T."""
-    n = x.shape[0] * x.shape[1] if normalizer is None else normalizer
-    return masked_sum(x, mask) / max(float(n), 1.0)
+class TokenSumConstant(Aggregator):
+    """sum over trained tokens / a constant (Dr. GRPO). Normaliser: rows x max_tokens (None: the longest row);
+    without a normaliser, B x T."""
+
+    name = "token_sum_constant"
+
+    def normalizer(self, mask, max_tokens=None):
+        per_row = max_tokens if max_tokens is not None else int(mask.sum(-1).max())
+        return float(mask.shape[0] * per_row)
+
+    def _weights(self, m):
+        return m, m.shape[0] * m.shape[1]
 
 
-AGGREGATORS: dict[str, Callable[..., torch.Tensor]] = {
-    "token_mean": token_mean,
-    "sequence_mean_token_mean": sequence_mean_token_mean,
-    "token_sum_constant": token_sum_constant,
-}
+AGGREGATORS: dict[str, Aggregator] = {a.name: a for a in (TokenMean(), SequenceMeanTokenMean(), TokenSumConstant())}
+token_mean = AGGREGATORS["token_mean"]  # token_mean(x, mask, normalizer): PPO's and the docs' spelling
+
+
+def aggregator(name: str) -> Aggregator:
+    """The `Aggregator` called `name`; ValueError naming the allowed ones."""
+    if name not in AGGREGATORS:
+        raise ValueError(f"unknown aggregate {name!r}; expected one of {sorted(AGGREGATORS)}")
+    return AGGREGATORS[name]
 
 
 def aggregation_weights(aggregate: str, mask: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:
     """Per-token weights w (B, T) with AGGREGATORS[aggregate](x, mask, normalizer) == (x * w).sum()."""
-    m = mask.to(torch.float32)
-    if aggregate == "token_mean":
-        n = m.sum() if normalizer is None else normalizer
-    elif aggregate == "sequence_mean_token_mean":
-        m = m / m.sum(-1, keepdim=True).clamp(min=1)
-        n = m.shape[0] if normalizer is None else normalizer
-    elif aggregate == "token_sum_constant":
-        n = m.shape[0] * m.shape[1] if normalizer is None else normalizer
-    else:
-        raise ValueError(f"unknown aggregate {aggregate!r}; expected one of {sorted(AGGREGATORS)}")
-    return m / max(float(n), 1.0)
+    return aggregator(aggregate).weights(mask, normalizer)
 
 
 def default_normalizer(aggregate: str, mask: torch.Tensor, max_tokens: int | None = None) -> float:
     """The full batch's denominator for `aggregate` (pass it to every micro-batch)."""
-    if aggregate == "token_mean":
-        return float(mask.sum())
-    if aggregate == "sequence_mean_token_mean":
-        return float(mask.shape[0])
-    if aggregate == "token_sum_constant":
-        per_row = max_tokens if max_tokens is not None else int(mask.sum(-1).max())
-        return float(mask.shape[0] * per_row)
-    raise ValueError(f"unknown aggregate {aggregate!r}; expected one of {sorted(AGGREGATORS)}")
+    return aggregator(aggregate).normalizer(mask, max_tokens)
 
 
 # ---------------------------------------------------------------- the GRPO family
@@ -193,6 +274,10 @@ class LossSpec:
     ratio_level: str | None = None  # forces "token" / "sequence"; None: the trainer's option
     default_eps_high: float | None = None  # used when eps_high is not given
 
+    @property
+    def aggregator(self) -> Aggregator:
+        return AGGREGATORS[self.aggregate]
+
 
 LOSS_TYPES: dict[str, LossSpec] = {
     "grpo": LossSpec(clipped_surrogate, "sequence_mean_token_mean"),
@@ -204,14 +289,6 @@ LOSS_TYPES: dict[str, LossSpec] = {
 }
 
 RATIO_LEVELS = ("token", "sequence")
-
-
-def log_ratio_at(level: str, logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    if level == "token":
-        return token_log_ratio(logp, old_logp)
-    if level == "sequence":
-        return sequence_log_ratio(logp, old_logp, mask)
-    raise ValueError(f"importance_sampling_level must be one of {RATIO_LEVELS}, got {level!r}")
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

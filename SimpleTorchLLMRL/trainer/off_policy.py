@@ -130,7 +130,7 @@ def as_off_policy(name: str, off_policy, tis_cap: float | None) -> OffPolicy | N
         raise ValueError(f"{name} off_policy={off_policy!r} is invalid; expected None, an OffPolicy or a dict "
                          "of its fields")
     if tis_cap is not None:
-        if off_policy is not None:
+        if off_policy is not None and off_policy != OffPolicy.tis(tis_cap):  # equal: a config built from tis_cap
             raise ValueError(f"{name}: give tis_cap= or off_policy=, not both (tis_cap=c is "
                              "off_policy=OffPolicy.tis(c))")
         off_policy = OffPolicy.tis(tis_cap)

@@ -23,3 +23,14 @@ def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
     while frame is not None and not _outside_package(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level if frame is not None else 2)
+
+
+DEPRECATED_SEEN: set[str] = set()  # the deprecated spellings already reported in this process
+
+
+def warn_deprecated(old: str, new: str) -> None:
+    """The one deprecation style: a `DeprecationWarning` "<old> is deprecated; use <new>", once per process
+    per spelling, pointing at the user's line."""
+    if old not in DEPRECATED_SEEN:
+        DEPRECATED_SEEN.add(old)
+        warn_user(f"{old} is deprecated; use {new}", DeprecationWarning)
