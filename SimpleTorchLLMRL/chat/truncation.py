@@ -67,9 +67,6 @@ class Truncation:
         """The (N,) settings of the flat positions `index` (N,) of a (B, T) one."""
         return self.map(lambda t: t.reshape(-1).index_select(0, index))
 
-    def select(self, positions: torch.Tensor) -> Truncation:
-        """The (N,) settings where the (B, T) bool `positions` is set (row-major; waits for the device)."""
-        return self.map(lambda t: t[positions])
 
 
 def batch_truncation(rollouts, message_index: torch.Tensor | None,

@@ -226,7 +226,7 @@ class PPO:
         hidden = final_hidden_states(self.model, batch.input_ids, batch.attention_mask, right_padded=True)
         logp, ent = logprobs_at(hidden, self.model, batch.input_ids, mask, temperature=temperature,
                                 chunk_size=self.compute_options.chunk_size, head_impl=self.compute_options.head_impl,
-                                index=index)
+                                index=index, truncation=batch.truncation)
         if self.critic is not None:
             hidden = final_hidden_states(self.critic, batch.input_ids, batch.attention_mask, right_padded=True)
         return logp, ent, self.values(hidden) * mask.to(torch.float32)
@@ -257,7 +257,8 @@ class PPO:
         ref = None
         if cfg.beta > 0:
             ref = reference_logprobs(self.model, self.ref_model, lambda m: token_logprobs(
-                m, batch, temperature, opts.chunk_size, positions=mask, head_impl=opts.head_impl))
+                m, batch, temperature, opts.chunk_size, positions=mask, head_impl=opts.head_impl,
+                truncation=batch.truncation))
         tb = TrainBatch(batch, mask, r.to(batch.input_ids.device), temperature, float(mask.sum()), ref_logprobs=ref,
                         metrics={"reward_mean": r.mean().item(), "reward_std": r.std().item() if len(r) > 1 else 0.0,
                                  "temperature": temperature, **staleness_metrics(rollouts, self.policy_version)},
