@@ -200,7 +200,6 @@ def test_logprobs_mode_that_cannot_give_the_right_quantity_is_refused(vllm, tok,
 
 
 def test_logprobs_mode_rules():
-
     ok = [("processed_logprobs", SamplingConfig(temperature=0.7, top_k=5)), ("processed_logprobs", SamplingConfig()),
           ("raw_logprobs", SamplingConfig(temperature=1.0, top_k=5, logit_bias={3: 1.0})),
           ("raw_logprobs", SamplingConfig(do_sample=False, temperature=0.3))]

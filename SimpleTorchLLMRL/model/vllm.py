@@ -71,7 +71,7 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 def logprobs_mode_problem(mode: str, cfg: SamplingConfig) -> str | None:
-    """Why vLLM's `logprobs_mode` cannot give log_softmax(logits / T) before truncation; None if it can."""
+    """Why vLLM's `logprobs_mode` cannot give the log-probs `cfg` records (module docstring); None if it can."""
     if mode not in LOGPROBS_MODES:
         return f"logprobs_mode={mode!r} returns logits, not log-probs; use one of {LOGPROBS_MODES}"
     if mode == "processed_logprobs" and cfg.shifts_logits:
