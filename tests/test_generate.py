@@ -43,17 +43,25 @@ def test_sampled_logprobs_match_a_fresh_forward(model, tok, temperature):
         torch.testing.assert_close(torch.tensor(msg.logprobs, dtype=torch.float64), ref, atol=1e-3, rtol=0)
 
 
-def test_logprobs_are_before_top_k_top_p(model, tok):
+def test_logprobs_are_of_the_top_k_top_p_distribution(model, tok):
     gen = ModelGenerate(model, tok, max_new_tokens=10, temperature=0.8, top_k=5, top_p=0.9, seed=1)
     r = questions(1)[0]
     msg = gen.rollout_generate_response(r)
-    ref = reference_logprobs(model, encode_prompt(r, tok), msg.token_ids, 0.8)  # untruncated distribution
-    torch.testing.assert_close(torch.tensor(msg.logprobs, dtype=torch.float64), ref, atol=1e-3, rtol=0)
-    with torch.no_grad():  # and every sampled token was inside the top-5 of its step
-        logits = model(input_ids=torch.tensor([encode_prompt(r, tok) + msg.token_ids])).logits[0]
-    for k, t in enumerate(msg.token_ids):
-        step = logits[len(encode_prompt(r, tok)) - 1 + k]
+    full = reference_logprobs(model, encode_prompt(r, tok), msg.token_ids, 0.8)  # the untruncated distribution
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([encode_prompt(r, tok) + msg.token_ids])).logits[0].double()
+    truncated = []
+    for k, t in enumerate(msg.token_ids):  # every sampled token is inside the top-5 of its step ...
+        step = logits[len(encode_prompt(r, tok)) - 1 + k] / 0.8
         assert t in torch.topk(step, 5).indices.tolist()
+        step = step.masked_fill(step < torch.topk(step, 5).values[-1], float("-inf"))
+        p = torch.softmax(step, -1)
+        order = torch.argsort(p, descending=True)
+        step[order[torch.cumsum(p[order], 0) - p[order] >= 0.9]] = float("-inf")  # ... and top-p 0.9 of those
+        truncated.append(torch.log_softmax(step, -1)[t])
+    got = torch.tensor(msg.logprobs, dtype=torch.float64)
+    torch.testing.assert_close(got, torch.stack(truncated), atol=1e-4, rtol=0)  # recorded: the truncated one
+    assert (got - full).abs().max() > 1e-3 and msg.sampling == {"top_k": 5, "top_p": 0.9}
 
 
 def test_greedy_records_logprobs_at_configured_temperature(model, tok):

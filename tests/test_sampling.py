@@ -105,9 +105,12 @@ def test_first_token_distribution_matches_the_model(setup, temperature, top_k, t
     assert (probs > 0).sum() > 5  # a real distribution, not a near-greedy one
     ok, stat, threshold = chi_square_ok(counts, probs)
     assert ok, f"chi-square {stat:.1f} >= {threshold:.1f}"
-    untruncated = torch.log_softmax(logits / temperature, -1)  # log-probs are recorded before truncation
+    # log-probs are of the distribution the token was drawn from: the truncated one where it truncates
+    recorded = torch.log(probs) if top_k or top_p is not None else torch.log_softmax(logits / temperature, -1)
     got = torch.tensor([m.logprobs[0] for m in msgs], dtype=torch.float64)
-    torch.testing.assert_close(got, untruncated[ids], atol=1e-4, rtol=0)
+    torch.testing.assert_close(got, recorded[ids], atol=1e-4, rtol=0)
+    assert all(m.sampling == ({"top_k": top_k} if top_k else {}) | ({"top_p": top_p} if top_p else {}) or
+               (m.sampling is None and not top_k and not top_p) for m in msgs[:3])
 
 
 def test_the_models_own_sampling_config_is_overridden(setup):

@@ -11,6 +11,7 @@ from generation_helpers import peaked, reference_logprobs
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout
 from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.sampling import SamplingConfig
 from SimpleTorchLLMRL.model.vllm import logprobs_mode_problem, push_weights
 from SimpleTorchLLMRL.model.watch import DecodeWatch
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
@@ -63,9 +64,9 @@ def test_greedy_matches_the_hf_backend(vllm, tok, policy, model_dir):
         assert v.temperature == 1.0
 
 
-@pytest.mark.parametrize("mode, temperature, top_k", [("processed_logprobs", 0.7, None), ("raw_logprobs", 1.0, 5)])
-def test_sampled_logprobs_are_temperature_scaled_before_truncation(vllm, tok, policy, model_dir, mode,
-                                                                   temperature, top_k):
+@pytest.mark.parametrize("mode, temperature, top_k", [("processed_logprobs", 0.7, None), ("raw_logprobs", 1.0, None),
+                                                     ("processed_logprobs", 1.0, 5), ("processed_logprobs", 0.7, 5)])
+def test_sampled_logprobs_are_of_the_distribution_drawn_from(vllm, tok, policy, model_dir, mode, temperature, top_k):
     llm = vllm.LLM(model_dir, logprobs_mode=mode, seed=0)
     gen = ModelGenerate(llm, tok, max_new_tokens=8, temperature=temperature, top_k=top_k, seed=1)
     rs = rollouts(2)
@@ -74,10 +75,21 @@ def test_sampled_logprobs_are_temperature_scaled_before_truncation(vllm, tok, po
         for msg in group:
             assert msg.temperature == temperature
             ref = reference_logprobs(policy, encode_prompt(r, tok), msg.token_ids, temperature)
+            if top_k:  # a top-k turn records the log-prob renormalized over the top k (vLLM's processed ones)
+                ref = ref - top_k_mass(policy, encode_prompt(r, tok), msg.token_ids, temperature, top_k)
+                assert msg.sampling == {"top_k": top_k}
             torch.testing.assert_close(torch.tensor(msg.logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
             enc = encode_rollout(r.copy().add_messages(msg), tok)  # the prefix invariant holds for vLLM too
             p = encode_prompt(r, tok)
             assert enc.input_ids[: len(p) + len(msg.token_ids)] == p + msg.token_ids
+
+
+def top_k_mass(model, prompt, ids, temperature, k):
+    """(N,) float64 log of the softmax(logits / T) mass of each step's top k."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1: -1].double()  # (N, V)
+    logp = torch.log_softmax(logits / temperature, -1)
+    return torch.logsumexp(logp.topk(k, -1).values, -1)
 
 
 def test_request_shape_sent_to_vllm(vllm, tok, model_dir, monkeypatch):
@@ -178,8 +190,9 @@ def test_greedy_group_repeats_prompts_instead_of_n(vllm, tok, model_dir):
 
 
 @pytest.mark.parametrize("mode, kw", [
-    ("raw_logprobs", dict(temperature=0.7)), ("processed_logprobs", dict(temperature=1.0, top_p=0.9)),
-    ("processed_logprobs", dict(temperature=0.7, top_k=5)), ("raw_logits", dict(temperature=1.0)),
+    ("raw_logprobs", dict(temperature=0.7)), ("raw_logprobs", dict(temperature=1.0, top_p=0.9)),
+    ("processed_logprobs", dict(sampling=SamplingConfig(temperature=1.0, top_k=5, logit_bias={3: 1.0}))),
+    ("raw_logits", dict(temperature=1.0)),
 ])
 def test_logprobs_mode_that_cannot_give_the_right_quantity_is_refused(vllm, tok, model_dir, mode, kw):
     with pytest.raises(ValueError, match="logprobs_mode|top_k/top_p"):
@@ -187,9 +200,8 @@ def test_logprobs_mode_that_cannot_give_the_right_quantity_is_refused(vllm, tok,
 
 
 def test_logprobs_mode_rules():
-    from SimpleTorchLLMRL.model.sampling import SamplingConfig
-
-    ok = [("raw_logprobs", SamplingConfig(temperature=1.0, top_k=5)), ("processed_logprobs", SamplingConfig()),
+    ok = [("processed_logprobs", SamplingConfig(temperature=0.7, top_k=5)), ("processed_logprobs", SamplingConfig()),
+          ("raw_logprobs", SamplingConfig(temperature=1.0, top_k=5, logit_bias={3: 1.0})),
           ("raw_logprobs", SamplingConfig(do_sample=False, temperature=0.3))]
     assert all(logprobs_mode_problem(m, c) is None for m, c in ok)
 

@@ -63,9 +63,11 @@ class Message:
     LoRA adapter that sampled it when the generator was asked for one (one adapter
     per agent: `model/adapters.py`); `name` is the agent that speaks. `sampling` holds the settings,
     beyond temperature, that made the distribution the turn was drawn from differ from
-    softmax(logits / temperature) (top_k, top_p, logit_bias, frequency_penalty, presence_penalty, as
-    `SamplingConfig.distribution_changes` builds them); None when nothing did. `logprobs` stay those of
-    softmax(logits / temperature) either way: such a turn is off-policy for them (docs/generation.md).
+    softmax(logits / temperature) (top_k, top_p, min_p, logit_bias, frequency_penalty, presence_penalty,
+    as `SamplingConfig.distribution_changes` builds them); None when nothing did. A turn that only
+    truncates (top_k / top_p / min_p) has `logprobs` under the truncated distribution, and the trainer
+    scores it so (`chat.truncation`); otherwise they stay those of softmax(logits / temperature), and a
+    turn with bias, penalties or a grammar is off-policy for them (docs/generation.md).
     """
 
     content: str

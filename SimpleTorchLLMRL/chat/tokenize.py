@@ -45,6 +45,7 @@ import torch
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.template import ChatTemplate, chat_template_for
+from SimpleTorchLLMRL.chat.truncation import Truncation, batch_truncation
 from SimpleTorchLLMRL.utils.warn import warn_deprecated
 
 NAN = float("nan")
@@ -86,6 +87,8 @@ class Batch:
     loss_mask      long  1 on trainable tokens
     sampler_logprobs float the generator's log-prob of input_ids[:, t], NaN where unknown; None if no rollout has any
     message_index  long  the message a sampled / trained token belongs to, -1 elsewhere (None if not known)
+    truncation     the top-k / top-p / min-p of the sampled tokens drawn from a truncated distribution
+                   (`chat.truncation.Truncation`, (B, T)); None when no token was (`rollouts_to_batch` sets it)
     """
 
     input_ids: torch.Tensor
@@ -94,11 +97,13 @@ class Batch:
     sampler_logprobs: torch.Tensor | None = None
     sampling_temperature: float | None = None
     message_index: torch.Tensor | None = None
+    truncation: Truncation | None = None
 
     def _map(self, fn) -> Batch:
         keep = lambda t: None if t is None else fn(t)  # noqa: E731
         return Batch(fn(self.input_ids), fn(self.attention_mask), fn(self.loss_mask), keep(self.sampler_logprobs),
-                     self.sampling_temperature, keep(self.message_index))
+                     self.sampling_temperature, keep(self.message_index),
+                     None if self.truncation is None else self.truncation.map(fn))
 
     def to(self, device) -> Batch:
         return self._map(lambda t: t.to(device))
@@ -460,6 +465,9 @@ def collate(encoded: list[EncodedRollout], pad_token_id: int, pad_to_multiple_of
 
 def rollouts_to_batch(rollouts: list[Rollout], tokenizer, max_length: int | None = None,
                       truncate: bool = False) -> Batch:
-    """`encode_rollouts` then `collate` with the tokenizer's pad id (falls back to eos)."""
+    """`encode_rollouts` then `collate` with the tokenizer's pad id (falls back to eos), with the
+    `truncation` of the tokens sampled from a top-k / top-p / min-p distribution."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return collate(encode_rollouts(rollouts, tokenizer, max_length, truncate), pad)
+    batch = collate(encode_rollouts(rollouts, tokenizer, max_length, truncate), pad)
+    batch.truncation = batch_truncation(rollouts, batch.message_index, batch.sampler_logprobs)
+    return batch

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from SimpleTorchLLMRL.model import head_triton
+from SimpleTorchLLMRL.model.truncation import apply_cut, keep_threshold
 
 SCRATCH_BYTES = 16 * 2**20  # row blocks for the softmax sums inside a chunk stay under glibc's mmap threshold
 
@@ -67,14 +68,17 @@ class _LinearChunks:
             z.mul_(self.inv_temp)
         return z
 
-    def score(self, hc: torch.Tensor, yc: torch.Tensor, probs: bool, entropy: bool):
-        """hc (n, H), yc (n,) -> logp (n,), entropy (n,) | None, logsumexp (n,), softmax p (n, V) | None.
+    def score(self, hc: torch.Tensor, yc: torch.Tensor, probs: bool, entropy: bool, trunc=None):
+        """hc (n, H), yc (n,) -> logp (n,), entropy (n,) | None, logsumexp (n,), softmax p (n, V) | None,
+        cut (n,) | None.
 
+        trunc: the chunk's (n,) `Truncation` (None: the full softmax). With it every statistic is of the
+        truncated, renormalized distribution, whose kept set is {z >= cut} (`model/truncation.py`).
         The row blocks leave exp(z - m) in the logits buffer, so p is one multiply by 1 / S.
         The row-wise sums use one (rows, V) scratch of <= SCRATCH_BYTES: fresh blocks
         over 32 MiB are mmapped by glibc and page-faulted on every allocation.
         """
-        z = self._logits(hc)  # (n, V)
+        z, cut = self._cut_logits(hc, yc, trunc)  # (n, V), (n,) | None
         n, V = z.shape
         logit_y = z.gather(1, yc[:, None]).squeeze(1)  # (n,)
         m = z.amax(dim=-1)  # (n,)
@@ -94,15 +98,25 @@ class _LinearChunks:
                 total[blk] = zb.sub_(m[blk, None]).exp_().sum(-1)
         lse = m + total.log()
         p = z.mul_(total.reciprocal()[:, None]) if probs else None  # e / S
-        return logit_y - lse, ent, lse, p
+        return logit_y - lse, ent, lse, p, cut
 
-    def grad_logits(self, hc, yc, lse, ent, c_lp, c_ent) -> torch.Tensor:
+    def _cut_logits(self, hc: torch.Tensor, yc: torch.Tensor, trunc):
+        """The chunk's tempered logits (n, V), those below the kept set's cut moved out of it; cut (n,) | None."""
+        z = self._logits(hc)
+        if trunc is None:
+            return z, None
+        cut = keep_threshold(z, trunc, yc)
+        return apply_cut(z, cut), cut
+
+    def grad_logits(self, hc, yc, lse, ent, c_lp, c_ent, cut=None) -> torch.Tensor:
         """Pass 2: dL/dz (n, V) of the chunk's raw logits, recomputed from hc and pass 1's lse / entropy (n,).
 
         c_lp (n,) = dL/dlogp, c_ent (n,) | None = dL/dentropy. With p = softmax and
         log p = z / T - lse: dL/dz = (c_lp (onehot(y) - p) - c_ent p (log p + H)) / T.
+        cut (n,) | None: pass 1's kept-set threshold (p is then 0 outside the kept set).
         """
-        logsm = self._logits(hc).sub_(lse[:, None])  # (n, V) log-softmax, in the logits buffer
+        z = self._logits(hc)
+        logsm = (z if cut is None else apply_cut(z, cut)).sub_(lse[:, None])  # (n, V) log-softmax
         return _softmax_grad(logsm, yc, ent, c_lp, c_ent, self.inv_temp)
 
     def free_buffers(self) -> None:
@@ -164,14 +178,14 @@ class _DeviceChunks(_LinearChunks):
         z = self.logits(hc)
         return z.mul_(self.inv_temp) if self.inv_temp != 1.0 else z
 
-    def score(self, hc: torch.Tensor, yc: torch.Tensor, probs: bool, entropy: bool):
-        z = self._logits(hc)  # (n, V) float32
+    def score(self, hc: torch.Tensor, yc: torch.Tensor, probs: bool, entropy: bool, trunc=None):
+        z, cut = self._cut_logits(hc, yc, trunc)  # (n, V) float32
         logit_y = z.gather(1, yc[:, None]).squeeze(1)  # (n,)
         lse = torch.logsumexp(z, dim=-1)  # (n,)
         logsm = z.sub_(lse[:, None])  # (n, V) log-softmax, in place
         p = logsm.exp() if (probs or entropy) else None  # (n, V)
         ent = -torch.linalg.vecdot(p, logsm) if entropy else None  # (n,)
-        return logit_y - lse, ent, lse, p
+        return logit_y - lse, ent, lse, p, cut
 
     def accumulate(self, g: torch.Tensor, hc: torch.Tensor, sl: slice) -> None:
         low = g.to(self.W.dtype)  # (n, V): the GEMMs run on tensor cores when the head is bf16 / fp16
@@ -195,10 +209,11 @@ class _TritonChunks(_DeviceChunks):
         super().__init__(*args, **kwargs)
         self._g = None  # (n, V) gradient buffer in the head's dtype, reused across chunks
 
-    def score(self, hc: torch.Tensor, yc: torch.Tensor, probs: bool, entropy: bool):
+    def score(self, hc: torch.Tensor, yc: torch.Tensor, probs: bool, entropy: bool, trunc=None):
         z = self.logits(hc)  # (n, V) float32; row_stats applies the temperature
-        logp, ent, lse = head_triton.row_stats(z, yc, self.inv_temp)
-        return logp, ent if entropy else None, lse, (z, lse) if probs else None
+        cut = None if trunc is None else keep_threshold(z * self.inv_temp, trunc, yc)  # (n,) tempered units
+        logp, ent, lse = head_triton.row_stats(z, yc, self.inv_temp, cut=cut)
+        return logp, ent if entropy else None, lse, (z, lse, cut) if probs else None, cut
 
     def _grad_buffer(self, z: torch.Tensor) -> torch.Tensor:
         if self._g is None or self._g.shape[0] < z.shape[0]:
@@ -206,14 +221,15 @@ class _TritonChunks(_DeviceChunks):
         return self._g[: z.shape[0]]
 
     def dlogp_dlogits(self, p, yc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        z, lse = p
-        return head_triton.row_grad(z, yc, lse, scale * self.inv_temp, self.inv_temp, out=self._grad_buffer(z))
+        z, lse, cut = p
+        return head_triton.row_grad(z, yc, lse, scale * self.inv_temp, self.inv_temp, out=self._grad_buffer(z),
+                                    cut=cut)
 
-    def grad_logits(self, hc, yc, lse, ent, c_lp, c_ent) -> torch.Tensor:
+    def grad_logits(self, hc, yc, lse, ent, c_lp, c_ent, cut=None) -> torch.Tensor:
         z = self.logits(hc)  # (n, V) float32, temperature applied inside the kernel
         ent, c_ent = (None, None) if c_ent is None else (ent, c_ent * self.inv_temp)
         return head_triton.row_grad(z, yc, lse, c_lp * self.inv_temp, self.inv_temp, out=self._grad_buffer(z),
-                                    ent=ent, c_ent=c_ent)
+                                    ent=ent, c_ent=c_ent, cut=cut)
 
     def free_buffers(self) -> None:
         super().free_buffers()
@@ -263,29 +279,31 @@ class _TwoPassHead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, y, inv_temp, chunk_size, upcast, jacobian, kernel):
-        # h (N, H), weight (V, H), bias (V,) | None, y (N,); kernel: a chunk kernel class, chunk_size: its tokens
+    def forward(ctx, h, weight, bias, y, inv_temp, chunk_size, upcast, jacobian, kernel, trunc=None):
+        # h (N, H), weight (V, H), bias (V,) | None, y (N,); kernel: a chunk kernel class, chunk_size: its tokens;
+        # trunc: (N,) `Truncation` | None (scores under the truncated distribution the sampler drew from)
         head = kernel(weight, bias, inv_temp, upcast, need=(jacobian, False, False), like=h.float())
-        logp, ent, lse = [], [], []
+        logp, ent, lse, cuts = [], [], [], []
         for sl in _chunks(h.shape[0], chunk_size):
             hc, yc = h[sl], y[sl]
-            lp_c, ent_c, lse_c, p = head.score(hc, yc, probs=jacobian, entropy=True)
+            lp_c, ent_c, lse_c, p, cut_c = head.score(hc, yc, probs=jacobian, entropy=True, trunc=_rows(trunc, sl))
             if jacobian:
                 head.accumulate(head.dlogp_dlogits(p, yc, torch.ones_like(lp_c)), hc, sl)
             del p
-            logp.append(lp_c), ent.append(ent_c), lse.append(lse_c)
+            logp.append(lp_c), ent.append(ent_c), lse.append(lse_c), cuts.append(cut_c)
         logp, ent, lse = (_cat(t, h) for t in (logp, ent, lse))  # (N,) float32 each
+        cut = _cat(cuts, h) if trunc is not None else None  # (N,) the kept sets' thresholds, for pass 2
         head.free_buffers()
-        ctx.save_for_backward(h, weight, bias, y, lse, ent, head.grad_h)
+        ctx.save_for_backward(h, weight, bias, y, lse, ent, head.grad_h, cut)
         ctx.inv_temp, ctx.chunk_size, ctx.upcast, ctx.kernel = inv_temp, chunk_size, upcast, kernel
         ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not zeros
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
-        h, weight, bias, y, lse, ent, jac = ctx.saved_tensors
+        h, weight, bias, y, lse, ent, jac, cut = ctx.saved_tensors
         need = tuple(ctx.needs_input_grad[:3])
-        nones = (None,) * 6
+        nones = (None,) * 7
         if grad_logp is None and grad_ent is None:
             return None, None, None, *nones
         if grad_logp is None:
@@ -295,9 +313,15 @@ class _TwoPassHead(torch.autograd.Function):
         head = ctx.kernel(weight, bias, ctx.inv_temp, ctx.upcast, need=need, like=h)
         c_lp, c_ent = grad_logp.float(), None if grad_ent is None else grad_ent.float()
         for sl in _chunks(h.shape[0], ctx.chunk_size):
-            g = head.grad_logits(h[sl], y[sl], lse[sl], ent[sl], c_lp[sl], None if c_ent is None else c_ent[sl])
+            g = head.grad_logits(h[sl], y[sl], lse[sl], ent[sl], c_lp[sl], None if c_ent is None else c_ent[sl],
+                                 None if cut is None else cut[sl])
             head.accumulate(g, h[sl], sl)
-        return *head.grads(weight, bias), None, *nones[:5]
+        return *head.grads(weight, bias), None, *nones[:6]
+
+
+def _rows(trunc, sl: slice):
+    """The chunk `sl` of an (N,) `Truncation`, None without one."""
+    return None if trunc is None else trunc.map(lambda t: t[sl])
 
 
 def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
@@ -317,12 +341,12 @@ class _FusedTokenLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, y, token_loss, inv_temp, chunk_size, upcast, need, kernel):
+    def forward(ctx, h, weight, bias, y, token_loss, inv_temp, chunk_size, upcast, need, kernel, trunc=None):
         head = kernel(weight, bias, inv_temp, upcast, need=need, like=h)
         logp, ent, losses = [], [], []
         for sl in _chunks(h.shape[0], chunk_size):
             hc, yc = h[sl], y[sl]
-            lp, ent_c, _, p = head.score(hc, yc, probs=True, entropy=True)
+            lp, ent_c, _, p, _ = head.score(hc, yc, probs=True, entropy=True, trunc=_rows(trunc, sl))
             with torch.enable_grad():
                 leaf = lp.detach().requires_grad_()
                 loss = token_loss(leaf, sl).sum()
@@ -344,4 +368,4 @@ class _FusedTokenLoss(torch.autograd.Function):
     def backward(ctx, grad_total, _grad_logp, _grad_ent):
         grads = ctx.head.grads(*ctx.params, scale=grad_total)  # a tensor: no host sync to test it for 1.0
         del ctx.head
-        return *grads, None, None, None, None, None, None, None
+        return *grads, None, None, None, None, None, None, None, None

@@ -51,9 +51,12 @@ def interpreting() -> bool:
 
 if triton is not None:
 
-    def _row_stats(z_ptr, y_ptr, logp_ptr, ent_ptr, lse_ptr, V, stride, inv_temp, BLOCK: tl.constexpr):
+    def _row_stats(z_ptr, y_ptr, logp_ptr, ent_ptr, lse_ptr, cut_ptr, V, stride, inv_temp, BLOCK: tl.constexpr,
+                   HAS_CUT: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = z_ptr + row * stride
+        if HAS_CUT:
+            cut = tl.load(cut_ptr + row)
         m = tl.full((), -3.0e38, tl.float32)  # running max (finite, so m - m_new never is -inf - -inf)
         s = tl.full((), 0.0, tl.float32)  # sum exp(x - m)
         t = tl.full((), 0.0, tl.float32)  # sum exp(x - m) * (x - m)
@@ -61,6 +64,8 @@ if triton is not None:
             cols = start + tl.arange(0, BLOCK)
             mask = cols < V
             x = tl.load(base + cols, mask=mask, other=-float("inf")).to(tl.float32) * inv_temp
+            if HAS_CUT:  # outside the kept set of top-k / top-p / min-p: no mass
+                x = tl.where(x >= cut, x, -float("inf"))
             m_new = tl.maximum(m, tl.max(x, 0))
             a = tl.exp(m - m_new)
             e = tl.exp(x - m_new)
@@ -75,9 +80,11 @@ if triton is not None:
         tl.store(ent_ptr + row, tl.log(s) - t / s)  # H = log S - E_p[x - m]
         tl.store(lse_ptr + row, lse)
 
-    def _row_grad(z_ptr, y_ptr, lse_ptr, c_ptr, g_ptr, ent_ptr, ce_ptr, V, z_stride, g_stride, inv_temp,
-                  BLOCK: tl.constexpr, HAS_ENT: tl.constexpr):
+    def _row_grad(z_ptr, y_ptr, lse_ptr, c_ptr, g_ptr, ent_ptr, ce_ptr, cut_ptr, V, z_stride, g_stride, inv_temp,
+                  BLOCK: tl.constexpr, HAS_ENT: tl.constexpr, HAS_CUT: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
+        if HAS_CUT:
+            cut = tl.load(cut_ptr + row)
         lse = tl.load(lse_ptr + row)
         c = tl.load(c_ptr + row)
         y = tl.load(y_ptr + row)
@@ -89,6 +96,8 @@ if triton is not None:
             mask = cols < V
             x = tl.load(z_ptr + row * z_stride + cols, mask=mask, other=0.0).to(tl.float32) * inv_temp
             p = tl.exp(x - lse)
+            if HAS_CUT:  # p is 0 outside the kept set (x stays finite: p * (log p + H) is 0 there, not NaN)
+                p = tl.where(x >= cut, p, 0.0)
             if HAS_ENT:  # + dL/dH * dH/dz, dH/dz = -p (log p + H)
                 g = tl.where(cols == y, c, 0.0) - p * (c + ce * (x - lse + h))
             else:
@@ -121,26 +130,30 @@ def _launch(kernel, n: int, args, device: torch.device, **constants) -> None:
         fn[(n,)](*args, BLOCK=BLOCK, **constants)
 
 
-def row_stats(z: torch.Tensor, y: torch.Tensor, inv_temp: float):
+def row_stats(z: torch.Tensor, y: torch.Tensor, inv_temp: float, cut: torch.Tensor | None = None):
     """z (n, V) logits (row-contiguous), y (n,) -> logp (n,), entropy (n,), logsumexp (n,), all float32.
 
-    Everything is of the logits times inv_temp.
+    Everything is of the logits times inv_temp; cut (n,) float32 | None: only entries with
+    z * inv_temp >= cut count (the truncated distribution, `model/truncation.py`).
     """
     if z.stride(1) != 1:
         raise ValueError("row_stats needs logits whose rows are contiguous")
     n, V = z.shape
     logp, ent, lse = (torch.empty(n, dtype=torch.float32, device=z.device) for _ in range(3))
     if n:
-        _launch(0, n, (z, y, logp, ent, lse, V, z.stride(0), float(inv_temp)), z.device)
+        has_cut = cut is not None
+        cut = cut.float().contiguous() if has_cut else lse  # unread without a cut
+        _launch(0, n, (z, y, logp, ent, lse, cut, V, z.stride(0), float(inv_temp)), z.device, HAS_CUT=has_cut)
     return logp, ent, lse
 
 
 def row_grad(z: torch.Tensor, y: torch.Tensor, lse: torch.Tensor, c: torch.Tensor, inv_temp: float,
-             out: torch.Tensor, ent: torch.Tensor | None = None, c_ent: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor, ent: torch.Tensor | None = None, c_ent: torch.Tensor | None = None,
+             cut: torch.Tensor | None = None) -> torch.Tensor:
     """out (n, V) := c (onehot(y) - p) - c_ent p (log p + H), p = softmax(z * inv_temp), in out's dtype.
 
     lse (n,) and ent (n,) (H) from `row_stats`; c (n,) and c_ent (n,) float32 (the latter None:
-    no entropy term, and ent is not read). Returns out.
+    no entropy term, and ent is not read). cut (n,) | None: as `row_stats` (p = 0 below it). Returns out.
     """
     n, V = z.shape
     if out.shape != z.shape or out.stride(1) != 1:
@@ -150,7 +163,9 @@ def row_grad(z: torch.Tensor, y: torch.Tensor, lse: torch.Tensor, c: torch.Tenso
     has_ent = c_ent is not None
     c = c.float().contiguous()
     ent, c_ent = (ent.float().contiguous(), c_ent.float().contiguous()) if has_ent else (c, c)  # unread if not
+    has_cut = cut is not None
+    cut = cut.float().contiguous() if has_cut else c  # unread without a cut
     if n:
-        _launch(1, n, (z, y, lse, c, out, ent, c_ent, V, z.stride(0), out.stride(0), float(inv_temp)), z.device,
-                HAS_ENT=has_ent)
+        _launch(1, n, (z, y, lse, c, out, ent, c_ent, cut, V, z.stride(0), out.stride(0), float(inv_temp)), z.device,
+                HAS_ENT=has_ent, HAS_CUT=has_cut)
     return out

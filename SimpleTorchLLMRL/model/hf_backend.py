@@ -7,12 +7,13 @@ Two decode loops pick tokens with the same `TokenPicker`, so they sample the sam
 the whole step as one CUDA graph; `fast_decode`), chosen by `decode=` ("auto": fast on CUDA where the
 model allows). A call with a grammar (`SamplingConfig.grammar`, `constrain`) always takes the default
 loop: its per-row matchers fill the token mask on the host at every step, which a CUDA graph cannot
-wait for. Recorded log-probs are log_softmax(raw logits / T) of the chosen token, before any
-top-k / top-p truncation, before logit_bias / frequency / presence penalties, which shift the
-logits the draw is made from (`picker.LogitShift`), and before a grammar's mask. Greedy takes the
-argmax. Sampling draws by inverse CDF, one uniform per row (`inverse_cdf_sample`), from
-softmax(logits / T) or from what the warpers (temperature, top-k, top-p: HF's, in HF's order)
-leave. HF's own sampling is `torch.multinomial`, an exponential race whose CPU
+wait for. Recorded log-probs are log_softmax(raw logits / T) of the chosen token, before
+logit_bias / frequency / presence penalties, which shift the logits the draw is made from
+(`picker.LogitShift`), and before a grammar's mask; a draw truncated by top-k / top-p / min-p with
+none of those records the log-prob under the truncated, renormalized distribution it was drawn from
+(`SamplingConfig.records_truncated`). Greedy takes the argmax. Sampling draws by inverse CDF, one
+uniform per row (`inverse_cdf_sample`), from softmax(logits / T) or from its kept set
+(`model/truncation.py`: min-p, top-k, top-p in vLLM's order). HF's own sampling is `torch.multinomial`, an exponential race whose CPU
 RNG costs ~18 ns per vocabulary entry (187 ms per step at B=64, V=151,936); the (B, V) temporaries
 live in one buffer reused across steps. Under `generate` the picker is the only logits processor and
 returns scores whose argmax is its token (`generate` runs greedy). The model's own generation-config
@@ -224,7 +225,7 @@ class HFBackend:
             compile = compile and may_compile(self.model, B, slots)
             held = (key, StaticDecoder(self.model, B, slots, device, graphs=True, compile=compile))
             DECODERS[self.model] = held
-        pick_key = (cfg.greedy, cfg.temperature, cfg.top_k, cfg.top_p, cfg.eos_token_ids, cfg.logit_bias,
+        pick_key = (cfg.greedy, cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.eos_token_ids, cfg.logit_bias,
                     cfg.frequency_penalty, cfg.presence_penalty)
         held[1].use_picker(TokenPicker(cfg), pick_key, cfg.eos_token_ids)
         stops = cfg.all_stops

@@ -43,6 +43,11 @@ Three kernels (`head_kernels`) score a chunk, chosen by one switch, `head_impl`:
 (TRITON_INTERPRET=1), so the numerics of both are tested without a GPU.
 
 The entropy has a gradient (an entropy term in a loss trains through it).
+
+truncation (a `chat.truncation.Truncation`, per token): tokens that the sampler drew with top-k /
+top-p / min-p are scored under that same truncated, renormalized distribution, log p_trunc(y) =
+z_y / T - logsumexp over the kept set, on every kernel and path, with gradient (`model/truncation.py`;
+entropy is then the truncated distribution's too). None (the default): the full softmax.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ from SimpleTorchLLMRL.model.shared_prefix import (
     plan_shared_prefix,
     shared_prefix_hidden_states,
 )
+from SimpleTorchLLMRL.model.truncation import apply_cut, keep_threshold
 from SimpleTorchLLMRL.utils.warn import warn_user
 
 DEFAULT_CHUNK_SIZE = None  # None: 512 tokens on the "cpu" kernel, GPU_CHUNK_BYTES of logits on "gpu" / "triton"
@@ -253,8 +259,10 @@ def _chunk_tokens(kernel, chunk_size: int | None, vocab: int) -> int:
 
 
 def _generic_chunk(head, softcap, inv_temp):
-    def run(hc, yc):
+    def run(hc, yc, trunc=None):
         z = _head_logits(head, hc, softcap) * inv_temp  # (n, V)
+        if trunc is not None:  # the kept set's threshold is piecewise constant in z: no gradient through it
+            z = apply_cut(z, keep_threshold(z, trunc, yc))
         lse = torch.logsumexp(z, dim=-1)
         logp = z.gather(1, yc[:, None]).squeeze(1) - lse
         logsm = z - lse[:, None]
@@ -282,7 +290,7 @@ def _check(temperature: float, chunk_size: int | None, head_impl: str = "auto") 
 def logprobs_from_hidden(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, *,
                          temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE,
                          softcap: float | None = None, upcast: bool = False, fused: bool | None = None,
-                         head_impl: str = "auto"):
+                         head_impl: str = "auto", truncation=None):
     """Chunked log-prob and entropy of `targets` given the hidden states that predict them.
 
     hidden (N, H), targets (N,) -> (logp (N,) float32, entropy (N,) float32 detached).
@@ -291,6 +299,7 @@ def logprobs_from_hidden(hidden: torch.Tensor, head: nn.Module, targets: torch.T
     autograd path for a plain `nn.Linear` head, checkpointed chunks otherwise.
     head_impl: the chunk kernel of the custom path, "auto" | "cpu" | "gpu" | "triton" (module docstring).
     chunk_size None: by kernel (512 tokens on cpu, GPU_CHUNK_BYTES of logits on gpu).
+    truncation: (N,) `Truncation` of the targets, None: the full softmax (module docstring).
     """
     inv_temp = _check(temperature, chunk_size, head_impl)
     grad = torch.is_grad_enabled()
@@ -301,12 +310,14 @@ def logprobs_from_hidden(hidden: torch.Tensor, head: nn.Module, targets: torch.T
         jacobian = grad and hidden.requires_grad and frozen
         kernel = _kernel(head_impl, hidden.device)
         return _TwoPassHead.apply(hidden, head.weight, head.bias, targets, inv_temp,
-                                  _chunk_tokens(kernel, chunk_size, head.weight.shape[0]), upcast, jacobian, kernel)
+                                  _chunk_tokens(kernel, chunk_size, head.weight.shape[0]), upcast, jacobian, kernel,
+                                  truncation)
     run = _generic_chunk(head, softcap, inv_temp)
     if chunk_size is None:
         chunk_size = CPU_CHUNK_SIZE
-    outs = [checkpoint(run, hidden[sl], targets[sl], use_reentrant=False) if grad else run(hidden[sl], targets[sl])
-            for sl in _chunks(hidden.shape[0], chunk_size)]
+    rows = lambda sl: None if truncation is None else truncation.map(lambda t: t[sl])  # noqa: E731
+    outs = [checkpoint(run, hidden[sl], targets[sl], rows(sl), use_reentrant=False) if grad
+            else run(hidden[sl], targets[sl], rows(sl)) for sl in _chunks(hidden.shape[0], chunk_size)]
     if not outs:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty
@@ -315,7 +326,7 @@ def logprobs_from_hidden(hidden: torch.Tensor, head: nn.Module, targets: torch.T
 
 def fused_token_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, token_loss, *,
                      temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE, upcast: bool = False,
-                     head_impl: str = "auto"):
+                     head_impl: str = "auto", truncation=None):
     """sum_i token_loss(logp, sl)_i with the backward work done chunk by chunk during the forward.
 
     hidden (N, H), targets (N,). `token_loss(logp (n,), sl)` returns the (n,)
@@ -323,7 +334,7 @@ def fused_token_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tenso
     logp only through elementwise ops, everything else it reads must be a
     constant (advantages, old / reference log-probs, weights). Returns
     (loss scalar with grad, logp (N,) detached, entropy (N,) detached).
-    Needs a plain `nn.Linear` head (see `supports_fused`). head_impl: as `logprobs_from_hidden`.
+    Needs a plain `nn.Linear` head (see `supports_fused`). head_impl, truncation: as `logprobs_from_hidden`.
     """
     inv_temp = _check(temperature, chunk_size, head_impl)
     if not supports_fused(head):
@@ -334,7 +345,8 @@ def fused_token_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tenso
             grad and bias is not None and bias.requires_grad)
     kernel = _kernel(head_impl, hidden.device)
     return _FusedTokenLoss.apply(hidden, head.weight, bias, targets, token_loss, inv_temp,
-                                 _chunk_tokens(kernel, chunk_size, head.weight.shape[0]), upcast, need, kernel)
+                                 _chunk_tokens(kernel, chunk_size, head.weight.shape[0]), upcast, need, kernel,
+                                 truncation)
 
 
 def scatter_positions(values: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
@@ -350,12 +362,13 @@ def scatter_positions(values: torch.Tensor, select: torch.Tensor) -> torch.Tenso
 def logprobs_at(hidden: torch.Tensor, model, input_ids: torch.Tensor, positions: torch.Tensor, *,
                 temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE, upcast: bool = False,
                 fused: bool | None = None, head_impl: str = "auto",
-                index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                index: torch.Tensor | None = None, truncation=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) log-probs and entropy of input_ids from hidden (B, T, H), only where `positions` (B, T) is set.
 
     Column 0 and unset positions are 0. index: the (N,) long flat positions b * T + t that predict
     the set positions (`trainer.batch.trained_index(positions)`), found before the forward: the
-    tokens are then gathered and scattered back without a host sync.
+    tokens are then gathered and scattered back without a host sync. truncation: the (B, T)
+    `Truncation` of input_ids (None: the full softmax).
     """
     head_opts = dict(temperature=temperature, chunk_size=chunk_size, softcap=logit_softcap(model), upcast=upcast,
                      fused=fused, head_impl=head_impl)
@@ -363,12 +376,14 @@ def logprobs_at(hidden: torch.Tensor, model, input_ids: torch.Tensor, positions:
         B, T = input_ids.shape
         h = hidden.reshape(B * T, -1).index_select(0, index)  # (N, H)
         y = input_ids.reshape(-1).index_select(0, index + 1)  # (N,)
-        lp, ent = logprobs_from_hidden(h, output_head(model), y, **head_opts)
+        trunc = None if truncation is None else truncation.at(index + 1)
+        lp, ent = logprobs_from_hidden(h, output_head(model), y, truncation=trunc, **head_opts)
         return scatter_index(lp, index + 1, (B, T)), scatter_index(ent, index + 1, (B, T))
     select = positions[:, 1:].bool()  # (B, T-1): token t+1 ...
     h = hidden[:, :-1][select]  # (N, H) ... is predicted from position t
     y = input_ids[:, 1:][select]  # (N,)
-    lp, ent = logprobs_from_hidden(h, output_head(model), y, **head_opts)
+    trunc = None if truncation is None else truncation.map(lambda t: t[:, 1:][select])
+    lp, ent = logprobs_from_hidden(h, output_head(model), y, truncation=trunc, **head_opts)
     return scatter_positions(lp, select), scatter_positions(ent, select)
 
 
@@ -381,7 +396,7 @@ def scatter_index(values: torch.Tensor, index: torch.Tensor, shape: tuple[int, i
 def token_logprobs(model, batch, temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE,
                    return_entropy: bool = False, *, positions: torch.Tensor | None = None,
                    return_hidden: bool = False, upcast: bool = False, fused: bool | None = None,
-                   share_prefix: bool = False, head_impl: str = "auto"):
+                   share_prefix: bool = False, head_impl: str = "auto", truncation=None):
     """Per-token log-probs of `batch.input_ids` under `model` at `temperature`, (B, T).
 
     batch: a `Batch` (or anything with `input_ids` and `attention_mask`).
@@ -392,7 +407,8 @@ def token_logprobs(model, batch, temperature: float = 1.0, chunk_size: int | Non
     the same forward, e.g. for a value head). share_prefix: rows with the same tokens
     before their first scored position run those tokens once (`final_hidden_states`'s
     `start`); hidden states before that position are then 0. head_impl: the chunk
-    kernel, "auto" | "cpu" | "gpu" | "triton" (module docstring).
+    kernel, "auto" | "cpu" | "gpu" | "triton" (module docstring). truncation: the (B, T) `Truncation` of
+    the tokens sampled with top-k / top-p / min-p (`Batch.truncation`), None: the full softmax.
     """
     _check(temperature, chunk_size, head_impl)
     input_ids, attention_mask = batch.input_ids, batch.attention_mask
@@ -403,7 +419,8 @@ def token_logprobs(model, batch, temperature: float = 1.0, chunk_size: int | Non
     start = first_positions(positions) if share_prefix else None
     hidden = final_hidden_states(model, input_ids, attention_mask, start=start)  # (B, T, H)
     logp, ent = logprobs_at(hidden, model, input_ids, positions, temperature=temperature,
-                            chunk_size=chunk_size, upcast=upcast, fused=fused, head_impl=head_impl)
+                            chunk_size=chunk_size, upcast=upcast, fused=fused, head_impl=head_impl,
+                            truncation=truncation)
     if not (return_entropy or return_hidden):
         return logp
     return TokenLogProbs(logp, ent if return_entropy else None, hidden if return_hidden else None)

@@ -7,6 +7,7 @@ graph), so under one seed they draw the same ids. Sampling is by inverse CDF, on
 per row from torch's RNG (`inverse_cdf_sample`). logit_bias and frequency / presence penalties
 (`LogitShift`) are one (B, V) offset added to the raw scores before temperature, top-k and top-p,
 updated in place after each pick (no host sync, graph-safe); with none of them set, no op is added.
+Top-k / top-p / min-p keep the set that `model/truncation.py` defines (the one the trainer scores under).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from SimpleTorchLLMRL.model.sampling import SamplingConfig
+from SimpleTorchLLMRL.model.truncation import keep_threshold, kept_probs, row_truncation
 
 BLOCK = 1024  # vocabulary entries per first-level block of the inverse CDF
 
@@ -90,15 +92,20 @@ class TokenPicker:
     mass (B,) float64 or None)`, with no host sync (the default path's processor and the fast decode's
     CUDA graph share it).
 
-    The log-prob is log_softmax(raw scores / T) of the chosen token, before top-k / top-p. Greedy:
-    the argmax. Sampling: `inverse_cdf_sample` (one uniform per row) from softmax(scores / T), or
-    from what HF's warpers (temperature, top-k, top-p, in HF's order) leave; `mass` is the sampled
-    distribution's unnormalized total, for `unsampleable`.
+    The log-prob is log_softmax(raw scores / T) of the chosen token, except where the draw is
+    truncated and nothing else shaped it (`SamplingConfig.records_truncated`): then it is the log-prob
+    under the truncated, renormalized distribution the token was drawn from. Greedy: the argmax.
+    Sampling: `inverse_cdf_sample` (one uniform per row) from softmax(scores / T), or from its kept
+    set under top-k / top-p / min-p (`model/truncation.py`); `mass` is the sampled distribution's
+    unnormalized total, for `unsampleable`.
     """
 
     def __init__(self, cfg: SamplingConfig):
         self.greedy, self.inv_t = cfg.greedy, 1.0 / cfg.logprob_temperature
-        self.warpers = [] if cfg.greedy else _warpers(cfg)
+        self.truncates = cfg.truncates and not cfg.greedy
+        self.records_truncated = cfg.records_truncated
+        self.settings = (int(cfg.top_k or 0), 1.0 if cfg.top_p is None else float(cfg.top_p), float(cfg.min_p or 0))
+        self._trunc = None  # the (B,) Truncation of the decode's rows, built on the first step
         self.scratch = _Scratch()
         self.shift = LogitShift(cfg) if cfg.shifts_logits else None
 
@@ -106,6 +113,8 @@ class TokenPicker:
         """Before a decode (and before any CUDA graph capture): the step buffers for scores' (B, V) shape,
         the penalty counts of a new completion zeroed in place."""
         self.scratch.like(scores)
+        if self.truncates:
+            self._rows(scores)
         if self.shift is not None:
             self.shift.reset(scores)
 
@@ -121,18 +130,28 @@ class TokenPicker:
             tok = scores.argmax(-1, keepdim=True)  # (B, 1)
             lse = m * inv_t + d.exp_().sum(-1, keepdim=True).log()
             return tok.squeeze(1), (scores.gather(1, tok) * inv_t - lse).squeeze(1), None
-        if not self.warpers:  # one exp pass serves the sampling and the log-sum-exp
+        if not self.truncates:  # one exp pass serves the sampling and the log-sum-exp
             tok, total = inverse_cdf_sample(d.exp_(), check=False)
             lse = m * inv_t + total[:, None].log().float()
         else:
-            lse = m * inv_t + d.exp_().sum(-1, keepdim=True).log()  # (B, 1) of the raw scores at T
-            z = scores
-            for warp in self.warpers:  # HF's warpers return new tensors: `scores` stays raw
-                z = warp(None, z)
-            p = torch.sub(z, z.amax(-1, keepdim=True), out=self.scratch.like(z)).exp_()  # warpers keep >= 1 finite
+            full_lse = None if self.records_truncated else m * inv_t + d.exp_().sum(-1, keepdim=True).log()  # (B, 1)
+            z = scores * inv_t  # (B, V) tempered, as the trainer's heads compute them
+            p = kept_probs(z, keep_threshold(z, self._rows(z)), out=self.scratch.like(z))  # (B, V)
             tok, total = inverse_cdf_sample(p, check=False)
+            kept_lse = z.amax(-1, keepdim=True) + total[:, None].log().float()  # (B, 1) over the kept set
+            if self.records_truncated:
+                tok = tok[:, None]
+                return tok.squeeze(1), (z.gather(1, tok) - kept_lse).squeeze(1), total
+            lse = full_lse
         tok = tok[:, None]  # (B, 1)
         return tok.squeeze(1), (scores.gather(1, tok) * inv_t - lse).squeeze(1), total
+
+    def _rows(self, scores: torch.Tensor):
+        """The (B,) `Truncation` of this decode's rows (one setting for all), kept across steps (graph-safe)."""
+        B = scores.shape[0]
+        if self._trunc is None or self._trunc.top_k.shape[0] != B or self._trunc.top_k.device != scores.device:
+            self._trunc = row_truncation(B, *self.settings, scores.device)
+        return self._trunc
 
     def _pick_shifted(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`pick` with logit_bias / penalties: the draw is from the shifted scores, the log-prob of the raw ones."""
@@ -147,10 +166,9 @@ class TokenPicker:
         if self.greedy:
             tok = z.argmax(-1, keepdim=True)  # (B, 1)
         else:
-            if self.warpers:  # HF's warpers (temperature first) return new tensors
-                for warp in self.warpers:
-                    z = warp(None, z)
-                p = torch.sub(z, z.amax(-1, keepdim=True), out=buf).exp_()  # (B, V)
+            if self.truncates:  # the kept set of the shifted scores (log-probs stay of the raw ones)
+                z = z * inv_t
+                p = kept_probs(z, keep_threshold(z, self._rows(z)), out=buf)  # (B, V)
             else:
                 p = z.sub_(z.amax(-1, keepdim=True))
                 p = (p.mul_(inv_t) if inv_t != 1.0 else p).exp_()  # (B, V)
@@ -210,21 +228,3 @@ class LogitShift:
         step = (self.counts.gather(1, tok) == 0).float().mul_(self.pres).add_(self.freq)  # (B, 1)
         self.counts.scatter_add_(1, tok, self.ones)
         self.offset.scatter_add_(1, tok, step.neg_())
-
-
-def _warpers(cfg: SamplingConfig) -> list:
-    """Temperature, then top-k, then top-p (HF's order); empty when nothing truncates."""
-    from transformers.generation.logits_process import (
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
-
-    if not cfg.truncates:
-        return []
-    out = [TemperatureLogitsWarper(float(cfg.temperature))] if cfg.temperature != 1 else []
-    if cfg.top_k:
-        out.append(TopKLogitsWarper(top_k=cfg.top_k))
-    if cfg.top_p is not None and cfg.top_p < 1:
-        out.append(TopPLogitsWarper(top_p=cfg.top_p))
-    return out

@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from SimpleTorchLLMRL.chat.truncation import truncation_settings
+
 
 class Backend(Protocol):
     """What `ModelGenerate` needs from a backend (HF `generate` or vLLM)."""
@@ -56,6 +58,10 @@ class SamplingConfig:
     count(z) the times z was sampled so far in this completion (the prompt is not counted, as in vLLM).
     Bias and penalties shape the logits before temperature, top-k and top-p; the recorded log-probs stay
     log_softmax(raw logits / T) (`distribution_changes` says what the draw differed by).
+    min_p (in [0, 1], 0 disables): keep the tokens whose probability is >= min_p times the top one's.
+    Top-k / top-p / min-p keep one set (`model/truncation.py`); when nothing else shaped the draw
+    (`records_truncated`) the recorded log-probs are under that truncated, renormalized distribution,
+    the one the trainer scores such a turn under (docs/generation.md).
     grammar: text in xgrammar's EBNF dialect (start rule `root`) that every completion must match
     (constrained decoding, `model/constrain.py`; None: unconstrained). Recorded log-probs stay those
     of the raw logits / T, before the grammar's mask; `distribution_changes` records the grammar.
@@ -73,6 +79,7 @@ class SamplingConfig:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     grammar: str | None = None
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -83,6 +90,9 @@ class SamplingConfig:
             raise ValueError(f"top_p must be None or in (0, 1], got {self.top_p!r}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
             raise ValueError(f"top_k must be None or an int >= 0 (0 disables), got {self.top_k!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1] (0 disables), got {self.min_p!r}")
+        self.min_p = float(self.min_p)
         self.stop = _as_strings("stop", self.stop)
         self.tool_call_stop = _as_strings("tool_call_stop", self.tool_call_stop)
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
@@ -114,8 +124,15 @@ class SamplingConfig:
 
     @property
     def truncates(self) -> bool:
-        """Whether top-k / top-p cut the sampling distribution."""
-        return bool(self.top_k) or (self.top_p is not None and self.top_p < 1)
+        """Whether top-k / top-p / min-p cut the sampling distribution."""
+        return bool(self.top_k) or (self.top_p is not None and self.top_p < 1) or self.min_p > 0
+
+    @property
+    def records_truncated(self) -> bool:
+        """Whether the recorded log-probs are under the truncated distribution (the draw truncates, and no
+        logit_bias, penalty or grammar shaped it, which a trainer could not replay): the rule of
+        `chat.truncation.truncation_settings`, which the trainer reads from `distribution_changes()`."""
+        return truncation_settings(self.distribution_changes()) is not None
 
     @property
     def penalizes(self) -> bool:
@@ -131,7 +148,7 @@ class SamplingConfig:
         """The settings, beyond temperature, that made the sampling distribution differ from
         softmax(raw logits / T): what `ModelGenerate` records as `Message.sampling` (None: nothing did).
 
-        Keys (only those set): "top_k", "top_p", "logit_bias" ({str(id): bias}, as OpenAI sends it),
+        Keys (only those set): "top_k", "top_p", "min_p", "logit_bias" ({str(id): bias}, as OpenAI sends it),
         "frequency_penalty", "presence_penalty", "grammar" (the EBNF text the draw was masked to). Greedy
         decoding records the logit shifts and the grammar only (the argmax ignores top-k / top-p).
         JSON-ready: it is stored in rollout files as it is.
@@ -142,6 +159,8 @@ class SamplingConfig:
                 out["top_k"] = int(self.top_k)
             if self.top_p is not None and self.top_p < 1:
                 out["top_p"] = float(self.top_p)
+            if self.min_p > 0:
+                out["min_p"] = self.min_p
         if self.logit_bias:
             out["logit_bias"] = {str(t): b for t, b in self.logit_bias}
         if self.frequency_penalty:

@@ -7,14 +7,17 @@ vllm is an optional extra, imported only when this backend is used:
 
 Which log-probs vLLM returns is an engine setting, `LLM(..., logprobs_mode=...)`:
 "raw_logprobs" (the default) are log_softmax(logits) before temperature and
-top-k/top-p; "processed_logprobs" are taken after temperature *and* top-k/top-p
-(renormalized over the kept tokens). The quantity this library records is
-log_softmax(logits / T) before truncation, so:
+top-k/top-p; "processed_logprobs" are taken after temperature, min-p *and* top-k/top-p
+(renormalized over the kept tokens). The quantity this library records is log_softmax(logits / T),
+and for a truncated draw that nothing else shaped (`SamplingConfig.records_truncated`) the log-prob
+under the truncated, renormalized distribution, so:
 
-    temperature == 1                -> "raw_logprobs" is exact (any top-k/top-p, bias, penalties)
-    no top-k/top-p truncation       -> "processed_logprobs" is exact (any temperature), unless
+    top-k/top-p/min-p, no bias etc. -> "processed_logprobs" is exact (any temperature): what the
+                                       trainer scores such a turn under (`model/truncation.py`)
+    temperature == 1, no truncation -> "raw_logprobs" is exact (any bias, penalties)
+    no truncation                   -> "processed_logprobs" is exact (any temperature), unless
                                        logit_bias or a penalty is set
-    T != 1 together with top-k/top-p -> neither is; refused with a ValueError
+    truncation with bias/penalties  -> "raw_logprobs" at T == 1 (the full distribution's, recorded so)
     logit_bias / frequency_penalty / presence_penalty (`SamplingParams` fields of the same names):
         vLLM 0.32's sampler applies them to the float32 logits after taking "raw_logprobs" and before
         temperature, top-k/top-p and "processed_logprobs" (v1/sample/sampler.py; the v2 GPU runner's
@@ -68,7 +71,7 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 def logprobs_mode_problem(mode: str, cfg: SamplingConfig) -> str | None:
-    """Why vLLM's `logprobs_mode` cannot give log_softmax(logits / T) before truncation; None if it can."""
+    """Why vLLM's `logprobs_mode` cannot give the log-probs `cfg` records (module docstring); None if it can."""
     if mode not in LOGPROBS_MODES:
         return f"logprobs_mode={mode!r} returns logits, not log-probs; use one of {LOGPROBS_MODES}"
     if mode == "processed_logprobs" and cfg.shifts_logits:
@@ -81,18 +84,15 @@ def logprobs_mode_problem(mode: str, cfg: SamplingConfig) -> str | None:
                 "temperature 1 or greedy")
     if cfg.greedy:
         return None  # greedy: vLLM applies no temperature / truncation; recorded at T = 1
+    if mode == "raw_logprobs" and cfg.records_truncated:
+        return ("top-k/top-p/min-p turns record log-probs under the truncated distribution they were drawn from, "
+                "which vLLM reports with vllm.LLM(..., logprobs_mode='processed_logprobs'), not 'raw_logprobs'")
     if mode == "raw_logprobs" and cfg.temperature != 1:
         if cfg.truncates:
-            return ("vLLM cannot report log-probs at temperature != 1 before top-k/top-p; use temperature=1 "
-                    "or drop top_k/top_p")
+            return ("vLLM cannot report log-probs at temperature != 1 before top-k/top-p with logit_bias or "
+                    "penalties; use temperature=1 or drop top_k/top_p")
         return (f"logprobs_mode='raw_logprobs' reports log-probs at temperature 1, not {cfg.temperature}; "
                 "create the engine with vllm.LLM(..., logprobs_mode='processed_logprobs')")
-    if mode == "processed_logprobs" and cfg.truncates:
-        if cfg.temperature == 1:
-            return ("logprobs_mode='processed_logprobs' renormalizes over the top-k/top-p tokens; create the "
-                    "engine with vllm.LLM(..., logprobs_mode='raw_logprobs')")
-        return ("vLLM cannot report log-probs at temperature != 1 before top-k/top-p; use temperature=1 "
-                "or drop top_k/top_p")
     return None
 
 
@@ -104,7 +104,8 @@ class VLLMBackend:
     def __init__(self, llm, tokenizer, cfg: SamplingConfig, lora_request=None, vllm_kwargs: dict | None = None):
         self.vllm = import_vllm()
         if isinstance(llm, str):  # a model path: build the engine with the log-probs mode we need
-            llm = make_llm(llm, temperature=0.0 if cfg.greedy else cfg.temperature, **(vllm_kwargs or {}))
+            llm = make_llm(llm, temperature=0.0 if cfg.greedy else cfg.temperature,
+                           truncated=cfg.records_truncated, **(vllm_kwargs or {}))
         elif vllm_kwargs:
             raise ValueError("vllm_kwargs only apply when ModelGenerate builds the engine from a model path")
         # cfg: the generator's defaults (the engine is built and checked for them); `generate` samples
@@ -151,7 +152,7 @@ class VLLMBackend:
             extra["structured_outputs"] = StructuredOutputsParams(grammar=cfg.grammar)
         return self.vllm.SamplingParams(
             n=n, temperature=0.0 if cfg.greedy else float(cfg.temperature),
-            top_p=1.0 if cfg.top_p is None else float(cfg.top_p), top_k=int(cfg.top_k or 0),
+            top_p=1.0 if cfg.top_p is None else float(cfg.top_p), top_k=int(cfg.top_k or 0), min_p=cfg.min_p,
             max_tokens=cfg.max_new_tokens, stop=list(cfg.all_stops) or None,
             stop_token_ids=list(cfg.eos_token_ids) or None, include_stop_str_in_output=True,
             logprobs=0, seed=seed, skip_special_tokens=True,

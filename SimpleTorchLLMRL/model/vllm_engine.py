@@ -9,7 +9,7 @@ Legend: K probe tokens.
 Settings (`make_llm`): `dtype` "float32" on the CPU build (vLLM would otherwise downcast a float32
 checkpoint to bf16; main.py passes its --dtype), "auto" on a GPU, `max_num_batched_tokens` large enough that a
 prompt's prefill is never split (the CPU build's seeded sampler fails on split prefills), the
-`logprobs_mode` that gives log_softmax(logits / T) before truncation, `seed=0`. On the CPU build
+`logprobs_mode` that gives the recorded log-probs (`model/vllm.py`), `seed=0`. On the CPU build
 the environment variables it needs are set when absent, at `make_llm` time (never at import):
 `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache; default 1: the engine otherwise asks for 92% of the
 machine's memory and refuses to start) and `VLLM_ENABLE_V1_MULTIPROCESSING=0` (the engine in this
@@ -77,22 +77,25 @@ def is_cpu_build() -> bool:
     return bool(getattr(current_platform, "is_cpu", lambda: False)())
 
 
-def engine_kwargs(model, *, temperature: float = 1.0, dtype: str | None = None, **overrides) -> dict:
-    """The keyword arguments of `vllm.LLM` for a training loop; `overrides` win over every default."""
+def engine_kwargs(model, *, temperature: float = 1.0, dtype: str | None = None, truncated: bool = False,
+                  **overrides) -> dict:
+    """The keyword arguments of `vllm.LLM` for a training loop; `overrides` win over every default.
+    truncated: the engine samples with top-k / top-p / min-p (`SamplingConfig.records_truncated`)."""
+    raw = temperature in (0, 1) and not truncated
     kwargs = dict(model=str(model), dtype=dtype or ("float32" if is_cpu_build() else "auto"), seed=0,
-                  logprobs_mode="raw_logprobs" if temperature in (0, 1) else "processed_logprobs",
+                  logprobs_mode="raw_logprobs" if raw else "processed_logprobs",
                   max_num_batched_tokens=BATCHED_TOKENS)
     kwargs.update(overrides)
     return kwargs
 
 
-def make_llm(model, *, temperature: float = 1.0, dtype: str | None = None, **overrides):
+def make_llm(model, *, temperature: float = 1.0, dtype: str | None = None, truncated: bool = False, **overrides):
     """A `vllm.LLM` with `engine_kwargs`; on the CPU build, `CPU_ENV_DEFAULTS` where the variable is unset."""
     vllm = import_vllm()
     if is_cpu_build():
         for key, value in CPU_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
-    return vllm.LLM(**engine_kwargs(model, temperature=temperature, dtype=dtype, **overrides))
+    return vllm.LLM(**engine_kwargs(model, temperature=temperature, dtype=dtype, truncated=truncated, **overrides))
 
 
 def in_process(llm) -> bool:

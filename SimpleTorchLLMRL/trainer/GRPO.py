@@ -141,7 +141,7 @@ class GRPO:
         """(B, T) no-grad-able log-probs of the trained tokens under `model` (0 elsewhere)."""
         o = self.compute_options
         return token_logprobs(model, batch, temperature, o.chunk_size, positions=mask, share_prefix=o.share_prefix,
-                              head_impl=o.head_impl)
+                              head_impl=o.head_impl, truncation=batch.truncation)
 
     def prefix_plan(self, batch, mask: torch.Tensor) -> PrefixPlan:
         """Which rows share their tokens before the first trained one (`share_prefix`); waits for the device."""
@@ -204,7 +204,8 @@ class GRPO:
         y = batch.input_ids.reshape(-1).index_select(0, index + 1)  # (N,)
         out = grpo_loss(h, output_head(self.model), y, token_inputs(tb, index, norm, cfg), cfg,
                         temperature=tb.temperature, chunk_size=opts.chunk_size, softcap=logit_softcap(self.model),
-                        fused=opts.fused, head_impl=opts.head_impl)
+                        fused=opts.fused, head_impl=opts.head_impl,
+                        truncation=None if batch.truncation is None else batch.truncation.at(index + 1))
         full = torch.full((B * T,), torch.nan, device=out.token_logprobs.device)  # (B, T) flat
         full = full.index_copy(0, index + 1, out.token_logprobs.float()).view(B, T)
         metrics = LazyMetrics.merged(tb.metrics, out.metrics, temperature=tb.temperature)  # tensors until read

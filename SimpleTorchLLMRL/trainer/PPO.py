@@ -140,7 +140,8 @@ class PPO:
         o = self.compute_options
         hidden = self._hidden(self.model, batch, plan)
         logp, ent = logprobs_at(hidden, self.model, batch.input_ids, mask, temperature=temperature,
-                                chunk_size=o.chunk_size, head_impl=o.head_impl, index=index)
+                                chunk_size=o.chunk_size, head_impl=o.head_impl, index=index,
+                                truncation=batch.truncation)
         return logp, ent, self._values(batch, mask, hidden, plan), hidden
 
     def _values(self, batch, mask, hidden, plan):
@@ -176,7 +177,7 @@ class PPO:
         if cfg.beta > 0:
             ref = reference_logprobs(self.model, self.ref_model, lambda m: token_logprobs(
                 m, batch, temperature, opts.chunk_size, positions=mask, head_impl=opts.head_impl,
-                share_prefix=opts.share_prefix))
+                share_prefix=opts.share_prefix, truncation=batch.truncation))
         tb = TrainBatch(batch, mask, r.to(batch.input_ids.device), temperature, float(mask.sum()), ref_logprobs=ref,
                         metrics={"reward_mean": r.mean().item(), "reward_std": r.std().item() if len(r) > 1 else 0.0,
                                  "temperature": temperature, **staleness_metrics(rollouts, self.policy_version)},
@@ -251,7 +252,8 @@ class PPO:
             return ppo_token_loss(cfg, lp, old, adv[sl], tis)[0] * weight[sl]
 
         policy_loss, lp, ent = fused_token_loss(h, output_head(self.model), y, token_loss, temperature=tb.temperature,
-                                                chunk_size=o.chunk_size, head_impl=o.head_impl)
+                                                chunk_size=o.chunk_size, head_impl=o.head_impl,
+                                                truncation=None if batch.truncation is None else batch.truncation.at(at))
         full = lambda v: torch.zeros(B * T, device=v.device).index_copy(0, at, v.float()).view(B, T)  # noqa: E731
         return full(lp), full(ent), self._values(batch, mask, hidden, plan), policy_loss
 

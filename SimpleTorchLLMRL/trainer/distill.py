@@ -216,7 +216,7 @@ class Distill:
         if compute_old and missing:
             with torch.no_grad():
                 old = token_logprobs(self.model, batch, temperature, o.chunk_size, positions=mask,
-                                     share_prefix=o.share_prefix, head_impl=o.head_impl)
+                                     share_prefix=o.share_prefix, head_impl=o.head_impl, truncation=batch.truncation)
         if sampled is not None:  # the sampler's log-probs are the old policy where known
             old = torch.where(torch.isnan(sampled), old if old is not None else torch.nan, sampled)
         metrics: dict = {"temperature": temperature}
@@ -254,8 +254,9 @@ class Distill:
             out, entropy = self._jsd(db, select, h, y, norm), None
             lp = out.logprobs
         else:
+            trunc = None if batch.truncation is None else batch.truncation.map(lambda t: t[:, 1:][select])
             lp, entropy = logprobs_from_hidden(h, head, y, temperature=db.temperature, chunk_size=o.chunk_size,
-                                               softcap=softcap, head_impl=o.head_impl)  # (N,)
+                                               softcap=softcap, head_impl=o.head_impl, truncation=trunc)  # (N,)
             logp = scatter_positions(lp, select)  # (B, T)
             old = db.old_logprobs
             if old is not None:

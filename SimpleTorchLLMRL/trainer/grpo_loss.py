@@ -210,7 +210,7 @@ def token_terms(config: GRPOConfig, x: TokenInputs, lp: torch.Tensor, sl: slice)
 
 def grpo_loss(h: torch.Tensor, head, y: torch.Tensor, x: TokenInputs, config: GRPOConfig, *, temperature: float,
               chunk_size: int | None = None, softcap: float | None = None, fused: bool | None = None,
-              head_impl: str = "auto") -> LossOutput:
+              head_impl: str = "auto", truncation=None) -> LossOutput:
     """The loss of the trained tokens: h (N, H) hidden states that predict y (N,) through `head`.
 
     fused False: the two-pass head (chunked log-probs and entropy, this loss once with autograd,
@@ -220,8 +220,9 @@ def grpo_loss(h: torch.Tensor, head, y: torch.Tensor, x: TokenInputs, config: GR
     loss graph: docs/benchmarks.md), two-pass on "gpu" / "triton" (where per-chunk launches and
     graphs are the cost). Same values either way.
     head_impl: the chunk kernel of `model.logprobs`, "auto" | "cpu" | "gpu" | "triton".
+    truncation: the (N,) top-k / top-p / min-p of y's draws (`chat.truncation.Truncation`), None: full softmax.
     """
-    opts = dict(temperature=temperature, chunk_size=chunk_size, head_impl=head_impl)
+    opts = dict(temperature=temperature, chunk_size=chunk_size, head_impl=head_impl, truncation=truncation)
     if fused is None:
         fused = resolve_head_impl(head_impl, h.device) == "cpu"
     whole = config.ratio_level == "sequence" or (config.off_policy is not None
