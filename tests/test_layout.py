@@ -100,8 +100,9 @@ def test_packages_on_the_way_skip_the_importers_own():
 def test_the_library_never_imports_a_recipe():
     graph = import_graph()
     recipe = f"{ROOT}.recipes"
+    seed_alias = f"{ROOT}.router_r1"  # the seed's name for recipes/router_r1: no code, only that recipe
     offenders = {m: sorted(t for t in targets if t.startswith(recipe))
-                 for m, targets in graph.items() if not m.startswith(recipe)}
+                 for m, targets in graph.items() if not m.startswith((recipe, seed_alias))}
     assert {m: t for m, t in offenders.items() if t} == {}
 
 
