@@ -362,13 +362,5 @@ def completion_payload(rid: str, model: str, choices: list[dict], prompt_ids: li
 
 def top_logprobs(generator, prompt_ids: list[int], msg: Message, k: int) -> list[list[tuple[int, float]]]:
     """The k most likely ids and their log-probs at each sampled position, under the same temperature
-    as the recorded log-probs: one forward of the HF model over prompt + reply."""
-    import torch
-
-    model = generator.backend.model
-    ids = torch.tensor([list(prompt_ids) + list(msg.token_ids)], device=next(model.parameters()).device)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1: -1].float()  # (N, V)
-    logp = torch.log_softmax(logits / (msg.temperature or 1.0), dim=-1)
-    values, index = logp.topk(min(k, logp.shape[-1]), dim=-1)
-    return [list(zip(r.tolist(), v.tolist(), strict=True)) for r, v in zip(index, values, strict=True)]
+    as the recorded log-probs (the backend's `top_logprobs`; callers check `supports_top_logprobs`)."""
+    return generator.backend.top_logprobs(list(prompt_ids), list(msg.token_ids), msg.temperature or 1.0, k)

@@ -246,9 +246,7 @@ class ModelGenerate:
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         call = dataclasses.replace(sampling, eos_token_ids=sampling.eos_token_ids or self.config.eos_token_ids)
-        check = getattr(self.backend, "check_sampling", None)  # vLLM: its log-probs mode must fit the call
-        if check is not None:
-            check(call)
+        self.backend.check_sampling(call)  # vLLM: its log-probs mode must fit the call
         return call
 
     def _generate(self, rollouts, n: int, adapter, seed: int | None, sampling: SamplingConfig,
@@ -267,7 +265,7 @@ class ModelGenerate:
         adapters = _per_rollout(adapter, len(rollouts))
         if adapters is None:
             return self._sample(prompts, n, None, [None] * len(prompts), seed, sampling, watch)
-        if getattr(self.backend, "mixed_adapters", False):  # vLLM: one LoRARequest per prompt, one batch
+        if self.backend.mixed_adapters:  # vLLM: one LoRARequest per prompt, one batch
             return self._sample(prompts, n, adapters, adapters, seed, sampling, watch)
         out: list[list[Message] | None] = [None] * len(prompts)
         for name in dict.fromkeys(adapters):  # one batch per adapter
