@@ -26,7 +26,7 @@ from SimpleTorchLLMRL.gateway.fields import (
 )
 from SimpleTorchLLMRL.gateway.structured import reply_grammar
 from SimpleTorchLLMRL.model.sampling import SamplingConfig
-from SimpleTorchLLMRL.tools.parsers import JsonToolCallParser, parse_tool_calls
+from SimpleTorchLLMRL.tools.parsers import JsonToolCallParser, ToolCall, parse_tool_calls
 
 MAX_N = 64
 MAX_SEED = 2**63 - 1  # a signed 64-bit integer, what the backends' generators take
@@ -312,10 +312,15 @@ def reply_view(text: str, tools: list[dict] | None, parsers: Sequence | None = N
         last = c.span[1]
     content.append(text[last:])
     body = "".join(content).strip()
-    return (body or None), [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                             "function": {"name": c.name, "arguments": json.dumps(c.arguments or {},
-                                                                                  ensure_ascii=False)}}
-                            for c in calls]
+    return (body or None), [wire_call(c) for c in calls]
+
+
+def wire_call(call: ToolCall) -> dict:
+    """A parsed call as the Chat Completions API sends it: `ToolCall.to_openai()` (the chat-template form,
+    arguments a dict) with a fresh id and the arguments as a JSON string."""
+    shown = call.to_openai()
+    shown["function"]["arguments"] = json.dumps(shown["function"]["arguments"], ensure_ascii=False)
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", **shown}
 
 
 def finish_reason(sampled: str | None, tool_calls: list[dict]) -> str:
