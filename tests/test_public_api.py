@@ -1,8 +1,11 @@
 """The public import paths are part of the contract (docs/architecture.md): they must keep working."""
 
+import ast
 import importlib
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +62,69 @@ def test_package_import_is_light():
     code = "import sys, SimpleTorchLLMRL; print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+# ----------------------------------------------------------------------------- stated return types
+
+_OWN = re.compile(r"^\s*(?:Returns?|Gives)\s+(?:an?\s+|the\s+)?`([A-Z]\w*)", re.M)  # "Returns `X`..." of itself
+_NAMED = re.compile(r"`(?:\w+\.)?(\w+)(?:\([^`]*\))?`\s+returns\s+(?:an?\s+|the\s+|its\s+)?`([A-Z]\w*)")
+_COMMENT = re.compile(r"\.(\w+)\([^)\n]*\)\s+#\s*(?:->\s*)?([A-Z]\w*)\(")  # `out = grpo.compute(mb)  # X(...)`
+
+
+def stated_return_mismatches(source: str) -> list[tuple[str, str, str]]:
+    """(function, the type a docstring says it returns, its annotation) wherever the two disagree.
+
+    A docstring states a return type as "Returns `X`" (its own), "`f` returns a `X`", or in a quoted
+    call `y = obj.f(...)  # X(...)`; each claim is held to the annotations of the functions of that name
+    in the same file (only types written in CamelCase are claims; argument names are not)."""
+    tree = ast.parse(source)
+    annotated = {}
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.returns is not None:
+            annotated.setdefault(n.name, []).append(n.returns)
+    out = []
+    for n in ast.walk(tree):
+        if not isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        doc = ast.get_docstring(n) or ""
+        claims = [(f, t) for pattern in (_NAMED, _COMMENT) for f, t in pattern.findall(doc)]
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.returns is not None:
+            claims += [(n.name, t) for t in _OWN.findall(doc)[:1]]
+        for name, stated in claims:
+            for returns in annotated.get(name, []):
+                words = {x.id for x in ast.walk(returns) if isinstance(x, ast.Name)}
+                words |= {x.attr for x in ast.walk(returns) if isinstance(x, ast.Attribute)}
+                if stated not in words:
+                    out.append((name, stated, ast.unparse(returns)))
+    return sorted(set(out))
+
+
+# The loss-contract branch fixes this docstring (GRPO.py's module docstring quotes `grpo.compute(mb)` as a
+# LossOutput); once it is merged this list must be empty, and the test below says so.
+PENDING = {"trainer/GRPO.py": [("compute", "LossOutput", "StepOutput")]}
+
+
+def test_each_stated_return_type_is_the_annotated_one():
+    package = Path(SimpleTorchLLMRL.__file__).parent
+    found = {p.relative_to(package).as_posix(): stated_return_mismatches(p.read_text())
+             for p in sorted(package.rglob("*.py"))}
+    assert {k: v for k, v in found.items() if v} == PENDING
+
+
+def test_the_return_type_check_catches_each_form():
+    source = '''
+class Front:
+    """`compute` returns a `LossOutput`; `loss(...)` returns the `Tensor`."""
+
+    def compute(self) -> StepOutput:
+        """Returns `LossOutput(loss, metrics)`."""
+
+    def loss(self) -> torch.Tensor: ...
+
+
+def step():
+    """    out = front.compute(batch)   # LossOutput(loss, metrics)
+    Returns `model` unchanged (an argument name, not a type: no claim)."""
+'''
+    assert stated_return_mismatches(source) == [("compute", "LossOutput", "StepOutput")]
+    assert stated_return_mismatches(source.replace("-> StepOutput", "-> LossOutput")) == []
