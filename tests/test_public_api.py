@@ -28,7 +28,9 @@ ROUTER_NAMES = ["RouterDataConfig", "RouterGenerationConfig", "RouterToolConfig"
 
 @pytest.mark.parametrize("module,name", SEED_PATHS)
 def test_seed_import_paths(module, name):
-    assert getattr(importlib.import_module(module), name) is getattr(SimpleTorchLLMRL, name)
+    """The seed's path names the object of the one documented path (the front door, or the package)."""
+    one_path = SimpleTorchLLMRL if name in SimpleTorchLLMRL.__all__ else importlib.import_module(module.rpartition(".")[0])
+    assert getattr(importlib.import_module(module), name) is getattr(one_path, name)
 
 
 @pytest.mark.parametrize("name", SimpleTorchLLMRL.__all__)
@@ -44,12 +46,29 @@ def test_router_r1_names_exported_from_the_package():
 
 EARLIER_NAMES = ["Batch", "EncodedRollout", "collate", "encode_prompt", "encode_rollouts", "as_sampled",
                  "save_rollouts", "load_rollouts", "RolloutWriter", "token_logprobs", "logprob_drift",
-                 "QASolverEnv", "ToolUseEnv", "Tool", "CombinedReward", "MetricsLogger"]
+                 "QASolverEnv", "ToolUseEnv", "Tool", "CombinedReward", "MetricsLogger",
+                 "RouterEnv", "RoutingPool", "CallableModel", "HFModel", "OpenAIModel"]
 
 
 @pytest.mark.parametrize("name", EARLIER_NAMES)
-def test_names_exported_by_an_earlier_release_still_resolve(name):
-    assert getattr(SimpleTorchLLMRL, name) is not None
+def test_names_exported_by_an_earlier_release_still_resolve_with_a_warning(name):
+    """Each resolves to its one path's object, with a DeprecationWarning at the caller's line naming that path."""
+    SimpleTorchLLMRL.__dict__.pop(name, None)  # a name resolves (and warns) once per process
+    with pytest.warns(DeprecationWarning, match=rf"SimpleTorchLLMRL\.{name} is deprecated; use `from (\S+) import {name}`") as w:
+        value = getattr(SimpleTorchLLMRL, name)
+    module = re.search(r"use `from (\S+) import", str(w[0].message)).group(1)
+    assert value is getattr(importlib.import_module(module), name)
+    assert w[0].filename == __file__  # points at the line that used the old name
+
+
+def test_the_seed_router_names_resolve_silently():
+    import warnings
+
+    for name in ROUTER_NAMES + ["RouterGenerationManager", "RouterReward", "RouterR1Trainer"]:
+        SimpleTorchLLMRL.__dict__.pop(name, None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert getattr(SimpleTorchLLMRL, name) is getattr(importlib.import_module("SimpleTorchLLMRL.router_r1"), name)
 
 
 def test_unknown_name_is_an_attribute_error():
