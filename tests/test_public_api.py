@@ -147,3 +147,13 @@ def step():
 '''
     assert stated_return_mismatches(source) == [("compute", "LossOutput", "StepOutput")]
     assert stated_return_mismatches(source.replace("-> StepOutput", "-> LossOutput")) == []
+
+
+@pytest.mark.parametrize("name", ["Sample", "cut_sample"])
+def test_names_moved_out_of_model_generate_warn_and_resolve(name):
+    from SimpleTorchLLMRL.model import generate, sampling
+
+    with pytest.warns(DeprecationWarning, match=rf"use `from SimpleTorchLLMRL\.model\.sampling import {name}`"):
+        assert getattr(generate, name) is getattr(sampling, name)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        generate.nope  # noqa: B018

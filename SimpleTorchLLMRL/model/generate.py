@@ -22,19 +22,33 @@ types from `model/sampling.py`, never from here.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
-from SimpleTorchLLMRL.model.sampling import Sample, SamplingConfig, cut_sample, default_eos_ids  # noqa: F401 (Sample, cut_sample: older import path)
+from SimpleTorchLLMRL.model.sampling import SamplingConfig, default_eos_ids
 from SimpleTorchLLMRL.model.watch import DecodeWatch
 from SimpleTorchLLMRL.utils.warn import warn_user
 
+if TYPE_CHECKING:
+    from SimpleTorchLLMRL.model.sampling import Sample
+
 BACKENDS = ("auto", "hf", "vllm")
 _WARNED: set[str] = set()  # deprecated spellings already reported in this process
+_MOVED = {"Sample": "SimpleTorchLLMRL.model.sampling", "cut_sample": "SimpleTorchLLMRL.model.sampling"}
+
+
+def __getattr__(name: str):
+    """Names an earlier release kept here resolve from their module, with a DeprecationWarning naming it."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warn_user(f"{__name__}.{name} is deprecated; use `from {_MOVED[name]} import {name}`", DeprecationWarning)
+    return getattr(importlib.import_module(_MOVED[name]), name)
 
 
 def _deprecated(old: str, new: str) -> None:
