@@ -223,3 +223,43 @@ def test_a_package_missing_from_the_layers_is_named():
     layers = [["recipes"], ["chat"]]
     assert layering_problems(layers, {}, {"recipes", "chat", "scoring"}) == [
         "package scoring is not in the layers block"]
+
+
+# ----------------------------------------------------------------------------- package __init__ files
+
+
+def init_policy_problems(init: Path) -> list[str]:
+    """The rule for a package's __init__.py (docs/architecture.md): a docstring saying what the package holds;
+    then either no imports at all, or eager re-exports whose names are exactly `__all__`."""
+    tree = ast.parse(init.read_text(encoding="utf-8"))
+    where = init.parent.name
+    problems = [] if ast.get_docstring(tree) else [f"{where}: no docstring"]
+    imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    imported.discard("annotations")  # from __future__
+    listed = next((ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                   and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)), None)
+    if imported and set(listed or []) != imported:
+        problems.append(f"{where}: __all__ is not the names it imports "
+                        f"(not listed: {sorted(imported - set(listed or []))}, "
+                        f"not imported: {sorted(set(listed or []) - imported)})")
+    if not imported and listed:
+        problems.append(f"{where}: __all__ without imports")
+    return problems
+
+
+def test_every_package_init_follows_one_policy():
+    inits = sorted(p for p in PACKAGE.rglob("__init__.py") if p.parent not in (PACKAGE, PACKAGE / "router_r1"))
+    assert len(inits) >= 12
+    assert [p for init in inits for p in init_policy_problems(init)] == []
+
+
+def test_the_init_policy_check_names_each_breach(tmp_path):
+    cases = {"": "no docstring", '"""Doc."""\nfrom x import a, b\n__all__ = ["a"]\n': "not listed: ['b']",
+             '"""Doc."""\n__all__ = ["a"]\n': "__all__ without imports"}
+    init = tmp_path / "pkg" / "__init__.py"
+    init.parent.mkdir()
+    for body, problem in cases.items():
+        init.write_text(body)
+        assert any(problem in p for p in init_policy_problems(init)), (body, problem)
+    init.write_text('"""Doc."""\nfrom x import a, b\n__all__ = ["b", "a"]\n')
+    assert init_policy_problems(init) == []
