@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from SimpleTorchLLMRL.env import ToolUseEnv
 from SimpleTorchLLMRL.env.async_rollouts import AsyncProducer, RolloutQueue, versions_after
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
-from SimpleTorchLLMRL.env.ToolQASolve import ToolUseEnv
 from SimpleTorchLLMRL.model.dropout import disable_dropout
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 from SimpleTorchLLMRL.recipes.calculator.cli import UsageError, check_args, fail, load_policy, parse_args

@@ -79,7 +79,7 @@ def _schema(rng: random.Random) -> dict:
 @functools.lru_cache(maxsize=1)
 def _env_prompt() -> str:
     """The system prompt `ToolUseEnv([calculator])` writes when given no custom one."""
-    from SimpleTorchLLMRL.env.ToolQASolve import ToolUseEnv
+    from SimpleTorchLLMRL.env import ToolUseEnv
     from SimpleTorchLLMRL.tools.calculator import calculator
 
     return ToolUseEnv([calculator]).system_prompt

@@ -118,6 +118,18 @@ def test_peft_checkpoint_holds_only_the_adapter(tmp_path, chatml_tokenizer):
     assert keys and all("lora_" in k for k in keys)
 
 
+def test_the_writer_tells_a_peft_model_as_model_lora_does(chatml_tokenizer):
+    """utils asks for adapters without importing model/ (the layers): both tests must give one answer."""
+    from peft import LoraConfig, get_peft_model
+
+    from SimpleTorchLLMRL.model.lora import is_peft_model
+    from SimpleTorchLLMRL.utils.checkpoint import _holds_adapters
+
+    plain = tiny_model("qwen2", chatml_tokenizer)
+    peft = get_peft_model(tiny_model("qwen2", chatml_tokenizer), LoraConfig(r=4, target_modules="all-linear"))
+    assert [_holds_adapters(m) for m in (plain, peft)] == [is_peft_model(m) for m in (plain, peft)] == [False, True]
+
+
 def test_metrics_logger_jsonl(tmp_path, capsys):
     with MetricsLogger(tmp_path) as log:
         log.log(1, {"loss": torch.tensor(0.5), "reward": 1.0, "nan": float("nan")})

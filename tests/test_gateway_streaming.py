@@ -151,6 +151,17 @@ def test_row_text_with_tools_holds_the_call_for_the_tool_calls_delta(calc):
     assert held_suffix("abc <tool_", ("<tool_call>",)) == 6 and held_suffix("abc", ("<tool_call>",)) == 0
 
 
+def test_reply_view_shows_each_call_as_to_openai_gives_it_with_json_arguments():
+    text = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "6×7"}}\n</tool_call>'
+            '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>')
+    tools = [{"type": "function", "function": {"name": "calculator"}}]
+    content, calls = reply_view(text, tools)
+    assert content is None and [c["id"][:5] for c in calls] == ["call_", "call_"] and calls[0]["id"] != calls[1]["id"]
+    assert [{k: v for k, v in c.items() if k != "id"} for c in calls] == [
+        {"type": "function", "function": {"name": "calculator", "arguments": '{"expression": "6×7"}'}},
+        {"type": "function", "function": {"name": "noop", "arguments": "{}"}}]
+
+
 # ----------------------------------------------------------------------------- over HTTP
 
 

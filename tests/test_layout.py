@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+
+import pytest
 
 import SimpleTorchLLMRL
 
 PACKAGE = Path(SimpleTorchLLMRL.__file__).parent
 ROOT = "SimpleTorchLLMRL"
+ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 
 def _modules() -> dict[str, Path]:
@@ -96,8 +100,9 @@ def test_packages_on_the_way_skip_the_importers_own():
 def test_the_library_never_imports_a_recipe():
     graph = import_graph()
     recipe = f"{ROOT}.recipes"
+    seed_alias = f"{ROOT}.router_r1"  # the seed's name for recipes/router_r1: no code, only that recipe
     offenders = {m: sorted(t for t in targets if t.startswith(recipe))
-                 for m, targets in graph.items() if not m.startswith(recipe)}
+                 for m, targets in graph.items() if not m.startswith((recipe, seed_alias))}
     assert {m: t for m, t in offenders.items() if t} == {}
 
 
@@ -108,3 +113,153 @@ def test_at_most_three_modules_at_the_package_root():
 
 def test_the_front_door_is_small():
     assert 10 <= len(SimpleTorchLLMRL.__all__) <= 16, SimpleTorchLLMRL.__all__
+
+
+# ----------------------------------------------------------------------------- the declared layers
+
+
+def declared_layers(text: str) -> list[list[str]]:
+    """The ```text layers block of docs/architecture.md: one line per layer, top first."""
+    m = re.search(r"^```text layers\n(.*?)^```", text, re.M | re.S)
+    assert m, "docs/architecture.md has no ```text layers block"
+    return [line.split() for line in m.group(1).splitlines() if line.strip()]
+
+
+def package_imports(package_dir: Path = PACKAGE) -> dict[tuple[str, str], list[str]]:
+    """(importer package, imported package) -> where, for every import statement in the library: at module
+    level, inside functions and under `if TYPE_CHECKING` alike. The root package's own file is the front
+    door (listed as ROOT); `from SimpleTorchLLMRL import x` is an import of it."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        rel = path.relative_to(package_dir)
+        src = rel.parts[0] if len(rel.parts) > 1 else ROOT
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module] if node.module != ROOT else [f"{ROOT}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level > 0:
+                raise AssertionError(f"{rel}:{node.lineno}: a relative import; the library imports absolutely")
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] != ROOT:
+                    continue
+                dst = parts[1] if len(parts) > 1 and (package_dir / parts[1]).is_dir() else ROOT
+                if dst != src:
+                    edges.setdefault((src, dst), []).append(f"{rel}:{node.lineno}")
+    return edges
+
+
+def layering_problems(layers: list[list[str]], edges: dict[tuple[str, str], list[str]],
+                      packages: set[str]) -> list[str]:
+    """Every import that points sideways or up the declared layers, and every package not declared once."""
+    level = {name: i for i, line in enumerate(layers) for name in line}  # 0 = top
+    declared = [name for line in layers for name in line]
+    problems = [f"{name} is declared {declared.count(name)} times" for name in sorted(set(declared))
+                if declared.count(name) > 1]
+    problems += [f"package {name} is not in the layers block" for name in sorted(packages - set(level))]
+    problems += [f"the layers block names {name}, which is no package" for name in sorted(set(level) - packages)]
+    for (src, dst), where in sorted(edges.items()):
+        if dst == ROOT:
+            problems.append(f"{src} imports the front door ({', '.join(where)})")
+        elif src != ROOT and src in level and dst in level and level[dst] <= level[src]:
+            side = "on its own line" if level[dst] == level[src] else "above it"
+            problems.append(f"{src} imports {dst}, {side} ({', '.join(where)})")
+    return problems
+
+
+def library_packages(package_dir: Path = PACKAGE) -> set[str]:
+    return {p.name for p in package_dir.iterdir() if (p / "__init__.py").is_file()}
+
+
+def test_package_imports_follow_the_declared_layers():
+    layers = declared_layers(ARCHITECTURE.read_text())
+    assert layering_problems(layers, package_imports(), library_packages()) == []
+
+
+def test_the_layers_leave_no_loop_at_package_level():
+    """The declared order forbids loops; this also holds them absent from the imports themselves."""
+    graph: dict[str, set[str]] = {p: set() for p in library_packages()}
+    for src, dst in package_imports():
+        if src != ROOT:
+            graph[src].add(dst)
+    assert find_cycle(graph) is None
+
+
+def test_utils_imports_no_library_package():
+    assert sorted(dst for src, dst in package_imports() if src == "utils") == []
+
+
+@pytest.mark.parametrize("module,line,problem", [
+    ("utils/checkpoint.py", "from SimpleTorchLLMRL.model.lora import is_peft_model",
+     "utils imports model, above it"),
+    ("model/generate.py", "    from SimpleTorchLLMRL.trainer.GRPO import GRPO  # lazily",
+     "model imports trainer, above it"),
+    ("tools/base.py", "from SimpleTorchLLMRL.reward.boxed import BoxedReward", "tools imports reward, on its own line"),
+    ("chat/message.py", "from SimpleTorchLLMRL import Rollout", "chat imports the front door"),
+    ("env/base.py", "from SimpleTorchLLMRL.recipes.calculator import arithmetic", "env imports recipes, above it"),
+])
+def test_the_layering_check_catches_a_wrong_import(tmp_path, module, line, problem):
+    """Each kind of wrong import, written into a copy of the library, is named (so the test can fail)."""
+    import shutil
+
+    copy = tmp_path / ROOT
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    target = copy / module
+    body = target.read_text()
+    if line.startswith("    "):  # a function-local import counts like a module-level one
+        body += f"\n\ndef _late():\n{line}\n"
+    else:
+        body += f"\n{line}\n"
+    target.write_text(body)
+    layers = declared_layers(ARCHITECTURE.read_text())
+    problems = layering_problems(layers, package_imports(copy), library_packages(copy))
+    assert [p for p in problems if p.startswith(problem)], problems
+
+
+def test_a_package_missing_from_the_layers_is_named():
+    layers = [["recipes"], ["chat"]]
+    assert layering_problems(layers, {}, {"recipes", "chat", "scoring"}) == [
+        "package scoring is not in the layers block"]
+
+
+# ----------------------------------------------------------------------------- package __init__ files
+
+
+def init_policy_problems(init: Path) -> list[str]:
+    """The rule for a package's __init__.py (docs/architecture.md): a docstring saying what the package holds;
+    then either no imports at all, or eager re-exports whose names are exactly `__all__`."""
+    tree = ast.parse(init.read_text(encoding="utf-8"))
+    where = init.parent.name
+    problems = [] if ast.get_docstring(tree) else [f"{where}: no docstring"]
+    imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    imported.discard("annotations")  # from __future__
+    listed = next((ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                   and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)), None)
+    if imported and set(listed or []) != imported:
+        problems.append(f"{where}: __all__ is not the names it imports "
+                        f"(not listed: {sorted(imported - set(listed or []))}, "
+                        f"not imported: {sorted(set(listed or []) - imported)})")
+    if not imported and listed:
+        problems.append(f"{where}: __all__ without imports")
+    return problems
+
+
+def test_every_package_init_follows_one_policy():
+    inits = sorted(p for p in PACKAGE.rglob("__init__.py") if p.parent not in (PACKAGE, PACKAGE / "router_r1"))
+    assert len(inits) >= 12
+    assert [p for init in inits for p in init_policy_problems(init)] == []
+
+
+def test_the_init_policy_check_names_each_breach(tmp_path):
+    cases = {"": "no docstring", '"""Doc."""\nfrom x import a, b\n__all__ = ["a"]\n': "not listed: ['b']",
+             '"""Doc."""\n__all__ = ["a"]\n': "__all__ without imports"}
+    init = tmp_path / "pkg" / "__init__.py"
+    init.parent.mkdir()
+    for body, problem in cases.items():
+        init.write_text(body)
+        assert any(problem in p for p in init_policy_problems(init)), (body, problem)
+    init.write_text('"""Doc."""\nfrom x import a, b\n__all__ = ["b", "a"]\n')
+    assert init_policy_problems(init) == []

@@ -76,3 +76,20 @@ def test_from_chat_roundtrip_and_prompt_messages():
     assert r.last(MessageType.MODEL).content == "a" and r.last().content == "t"
     with pytest.raises(ValueError, match="chat turn 0 needs a 'role' key"):
         Rollout.from_chat([{"content": "x"}])
+
+
+def test_user_is_the_message_member_under_another_name(tmp_path):
+    from SimpleTorchLLMRL.chat.rollout_io import load_rollouts, save_rollouts
+
+    assert MessageType.USER is MessageType.MESSAGE and MessageType["USER"] is MessageType.MESSAGE
+    assert [m.name for m in MessageType] == ["SYSTEM", "MESSAGE", "MODEL", "TOOL"]  # no fifth member
+    assert MessageType.from_role("USER") is MessageType.from_role("user") is MessageType.MESSAGE
+    seed = Rollout([Message("hi", MessageType.MESSAGE)])
+    user = Rollout([Message("hi", MessageType.USER)])
+    assert user.to_chat() == seed.to_chat() == [{"role": "user", "content": "hi"}]
+    assert user.to_dict() == seed.to_dict()
+    save_rollouts(tmp_path / "user.jsonl", [user])
+    save_rollouts(tmp_path / "seed.jsonl", [seed])
+    assert (tmp_path / "user.jsonl").read_bytes() == (tmp_path / "seed.jsonl").read_bytes()
+    [back] = load_rollouts(tmp_path / "user.jsonl")
+    assert back[0].type is MessageType.USER and not back[0].is_trainable

@@ -22,10 +22,15 @@ from typing import Any
 
 
 class MessageType(Enum):
-    """Who speaks. The value is the chat-template role."""
+    """Who speaks. The value is the chat-template role.
+
+    USER is another name for MESSAGE (the seed's spelling of the user turn): the same member,
+    `MessageType.USER is MessageType.MESSAGE`, so files, roles and comparisons are unchanged.
+    """
 
     SYSTEM = "system"
     MESSAGE = "user"
+    USER = "user"  # an alias of MESSAGE (same value): iteration and names keep the four members
     MODEL = "assistant"
     TOOL = "tool"
 
@@ -38,8 +43,8 @@ class MessageType(Enum):
         """`"assistant"` -> MODEL, ...; raises ValueError naming an unknown role."""
         if isinstance(role, MessageType):
             return role
-        for member in cls:
-            if role == member.value or (isinstance(role, str) and role.upper() == member.name):
+        for name, member in cls.__members__.items():  # aliases (USER) included
+            if role == member.value or (isinstance(role, str) and role.upper() == name):
                 return member
         allowed = ", ".join(repr(m.value) for m in cls)
         raise ValueError(f"unknown role {role!r}; expected one of {allowed} or a MessageType")

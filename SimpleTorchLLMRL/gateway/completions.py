@@ -200,7 +200,7 @@ def completions_route(gateway, error):
         try:
             body = parse_json(await read_body(request, gateway.max_body_bytes))
             req = parse_completion(body, gateway.model_name, gateway.defaults, gateway.vocab_size)
-            if req.logprobs and not hasattr(generator.backend, "model"):
+            if req.logprobs and not generator.backend.supports_top_logprobs:
                 raise bad("logprobs > 0 needs the HF backend (this gateway runs vLLM); use logprobs: 0", "logprobs")
             prompt_ids = await asyncio.to_thread(encode, req.prompts, generator.tokenizer, generator.max_context,
                                                  req.sampling.max_new_tokens)

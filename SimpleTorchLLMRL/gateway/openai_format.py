@@ -26,7 +26,7 @@ from SimpleTorchLLMRL.gateway.fields import (
 )
 from SimpleTorchLLMRL.gateway.structured import reply_grammar
 from SimpleTorchLLMRL.model.sampling import SamplingConfig
-from SimpleTorchLLMRL.tools.parsers import JsonToolCallParser, parse_tool_calls
+from SimpleTorchLLMRL.tools.parsers import JsonToolCallParser, ToolCall, parse_tool_calls
 
 MAX_N = 64
 MAX_SEED = 2**63 - 1  # a signed 64-bit integer, what the backends' generators take
@@ -312,10 +312,15 @@ def reply_view(text: str, tools: list[dict] | None, parsers: Sequence | None = N
         last = c.span[1]
     content.append(text[last:])
     body = "".join(content).strip()
-    return (body or None), [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                             "function": {"name": c.name, "arguments": json.dumps(c.arguments or {},
-                                                                                  ensure_ascii=False)}}
-                            for c in calls]
+    return (body or None), [wire_call(c) for c in calls]
+
+
+def wire_call(call: ToolCall) -> dict:
+    """A parsed call as the Chat Completions API sends it: `ToolCall.to_openai()` (the chat-template form,
+    arguments a dict) with a fresh id and the arguments as a JSON string."""
+    shown = call.to_openai()
+    shown["function"]["arguments"] = json.dumps(shown["function"]["arguments"], ensure_ascii=False)
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", **shown}
 
 
 def finish_reason(sampled: str | None, tool_calls: list[dict]) -> str:
@@ -362,13 +367,5 @@ def completion_payload(rid: str, model: str, choices: list[dict], prompt_ids: li
 
 def top_logprobs(generator, prompt_ids: list[int], msg: Message, k: int) -> list[list[tuple[int, float]]]:
     """The k most likely ids and their log-probs at each sampled position, under the same temperature
-    as the recorded log-probs: one forward of the HF model over prompt + reply."""
-    import torch
-
-    model = generator.backend.model
-    ids = torch.tensor([list(prompt_ids) + list(msg.token_ids)], device=next(model.parameters()).device)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1: -1].float()  # (N, V)
-    logp = torch.log_softmax(logits / (msg.temperature or 1.0), dim=-1)
-    values, index = logp.topk(min(k, logp.shape[-1]), dim=-1)
-    return [list(zip(r.tolist(), v.tolist(), strict=True)) for r, v in zip(index, values, strict=True)]
+    as the recorded log-probs (the backend's `top_logprobs`; callers check `supports_top_logprobs`)."""
+    return generator.backend.top_logprobs(list(prompt_ids), list(msg.token_ids), msg.temperature or 1.0, k)

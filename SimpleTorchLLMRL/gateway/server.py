@@ -366,7 +366,7 @@ class Gateway:
                 raise bad(f"this model's context is {ctx} tokens; the messages are {len(ids)} tokens and max_tokens is "
                           f"{sampling.max_new_tokens}: shorten the messages or lower max_tokens",
                           "messages", "context_length_exceeded")
-        if req.top_logprobs and not hasattr(self.generator.backend, "model"):
+        if req.top_logprobs and not self.generator.backend.supports_top_logprobs:
             raise bad("top_logprobs needs the HF backend (this gateway runs vLLM); use logprobs without it",
                       "top_logprobs")
         return ids, sampling

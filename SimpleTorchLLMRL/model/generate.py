@@ -22,19 +22,33 @@ types from `model/sampling.py`, never from here.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
-from SimpleTorchLLMRL.model.sampling import Sample, SamplingConfig, cut_sample, default_eos_ids  # noqa: F401 (Sample, cut_sample: older import path)
+from SimpleTorchLLMRL.model.sampling import SamplingConfig, default_eos_ids
 from SimpleTorchLLMRL.model.watch import DecodeWatch
 from SimpleTorchLLMRL.utils.warn import warn_user
 
+if TYPE_CHECKING:
+    from SimpleTorchLLMRL.model.sampling import Sample
+
 BACKENDS = ("auto", "hf", "vllm")
 _WARNED: set[str] = set()  # deprecated spellings already reported in this process
+_MOVED = {"Sample": "SimpleTorchLLMRL.model.sampling", "cut_sample": "SimpleTorchLLMRL.model.sampling"}
+
+
+def __getattr__(name: str):
+    """Names an earlier release kept here resolve from their module, with a DeprecationWarning naming it."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warn_user(f"{__name__}.{name} is deprecated; use `from {_MOVED[name]} import {name}`", DeprecationWarning)
+    return getattr(importlib.import_module(_MOVED[name]), name)
 
 
 def _deprecated(old: str, new: str) -> None:
@@ -246,9 +260,7 @@ class ModelGenerate:
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         call = dataclasses.replace(sampling, eos_token_ids=sampling.eos_token_ids or self.config.eos_token_ids)
-        check = getattr(self.backend, "check_sampling", None)  # vLLM: its log-probs mode must fit the call
-        if check is not None:
-            check(call)
+        self.backend.check_sampling(call)  # vLLM: its log-probs mode must fit the call
         return call
 
     def _generate(self, rollouts, n: int, adapter, seed: int | None, sampling: SamplingConfig,
@@ -267,7 +279,7 @@ class ModelGenerate:
         adapters = _per_rollout(adapter, len(rollouts))
         if adapters is None:
             return self._sample(prompts, n, None, [None] * len(prompts), seed, sampling, watch)
-        if getattr(self.backend, "mixed_adapters", False):  # vLLM: one LoRARequest per prompt, one batch
+        if self.backend.mixed_adapters:  # vLLM: one LoRARequest per prompt, one batch
             return self._sample(prompts, n, adapters, adapters, seed, sampling, watch)
         out: list[list[Message] | None] = [None] * len(prompts)
         for name in dict.fromkeys(adapters):  # one batch per adapter

@@ -123,6 +123,23 @@ class HFBackend:
         self.pad_id = int(pad)
         self.share_prefill = True  # prefill each distinct prompt once (`_shared_prefill`)
 
+    mixed_adapters = False  # one adapter per generate call (peft activates one at a time)
+    supports_top_logprobs = True
+
+    def check_sampling(self, sampling: SamplingConfig) -> None:
+        """Nothing to refuse: the HF loop records log-probs under any settings."""
+
+    def top_logprobs(self, prompt_ids: list[int], token_ids: list[int], temperature: float,
+                     k: int) -> list[list[tuple[int, float]]]:
+        """The k most likely ids and their log-probs at each of `token_ids`' positions, under logits /
+        temperature: one forward of the model over prompt + reply (the gateway's top_logprobs)."""
+        ids = torch.tensor([list(prompt_ids) + list(token_ids)], device=_device_of(self.model))  # (1, P + N)
+        with torch.no_grad():
+            logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1: -1].float()  # (N, V)
+        logp = torch.log_softmax(logits / temperature, dim=-1)  # (N, V)
+        values, index = logp.topk(min(k, logp.shape[-1]), dim=-1)  # (N, k)
+        return [list(zip(r.tolist(), v.tolist(), strict=True)) for r, v in zip(index, values, strict=True)]
+
     @property
     def logprob_temperature(self) -> float:
         return self.logprob_temperature_for(self.cfg)

@@ -17,7 +17,26 @@ from SimpleTorchLLMRL.chat.truncation import truncation_settings
 
 
 class Backend(Protocol):
-    """What `ModelGenerate` needs from a backend (HF `generate` or vLLM)."""
+    """What callers use of a backend (HF `generate` or vLLM): `ModelGenerate` and the gateway read a backend
+    only through these names, never by asking whether an attribute exists."""
+
+    mixed_adapters: bool
+    """True when one `generate` call serves prompts of several adapters (`adapter=` a list, one per prompt);
+    False: the generator makes one call per adapter."""
+
+    supports_top_logprobs: bool
+    """True when `top_logprobs` can score the k most likely ids at each sampled position."""
+
+    def check_sampling(self, sampling: SamplingConfig) -> None:
+        """Raise ValueError, before anything is sampled, when this backend cannot record the log-probs of a
+        call with `sampling` (vLLM: its engine's log-probs mode); the HF backend records any settings."""
+        ...
+
+    def top_logprobs(self, prompt_ids: list[int], token_ids: list[int], temperature: float,
+                     k: int) -> list[list[tuple[int, float]]]:
+        """At each of `token_ids`' positions after `prompt_ids`: the k most likely (id, log-prob) pairs under
+        logits / temperature. Raises ValueError where `supports_top_logprobs` is False."""
+        ...
 
     @property
     def logprob_temperature(self) -> float:

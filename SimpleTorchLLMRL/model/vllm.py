@@ -129,6 +129,11 @@ class VLLMBackend:
         self.last_agreement: float | None = None  # max |d log p| of the last checked push
 
     mixed_adapters = True  # one generate call serves prompts of several adapters (one LoRARequest each)
+    supports_top_logprobs = False  # the engine scores only what it sampled (logprobs=0)
+
+    def top_logprobs(self, prompt_ids: list[int], token_ids: list[int], temperature: float,
+                     k: int) -> list[list[tuple[int, float]]]:
+        raise ValueError("top log-probs need the HF backend: this engine records only the sampled ids' log-probs")
 
     def check_sampling(self, cfg: SamplingConfig) -> None:
         """Raise when this engine's log-probs mode cannot record `cfg`'s log-probs (a per-call override)."""

@@ -42,7 +42,8 @@ class ComputeOptions:
     """How the numbers are computed, not what they are; keyword arguments of `GRPO`, `PPO` and the other fronts.
 
     chunk_size: trained tokens scored per chunk of the output head (None: by kernel). head_impl: the
-    chunk kernel, "auto" (triton / gpu on CUDA, else cpu), "cpu", "gpu" or "triton" (`model.logprobs`). fused:
+    chunk kernel, "auto" ("triton" on CUDA, "gpu" there without Triton, else "cpu": `resolve_head_impl`), "cpu",
+    "gpu" or "triton" (`model.logprobs`). fused:
     False: the two-pass head, chunked log-probs and entropy without autograd, the loss once on them, the
     logits recomputed in backward (`model.logprobs._TwoPassHead`); True: a token-level loss (GRPO's, PPO's)
     forms its gradient chunk by chunk in the forward (`fused_token_loss`) when the head allows (one logits

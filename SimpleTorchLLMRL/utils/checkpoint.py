@@ -42,7 +42,6 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from SimpleTorchLLMRL.model.lora import is_peft_model
 from SimpleTorchLLMRL.utils.warn import warn_user
 
 try:
@@ -68,8 +67,17 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _holds_adapters(model) -> bool:
+    """A peft model, told as `model.lora.is_peft_model` tells it (`peft_config` and `disable_adapter`).
+
+    Asked here, not imported: utils sits under every library package and imports none of them
+    (docs/architecture.md, the layers); `tests/test_checkpoint.py` holds the two to the same answers.
+    """
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
 def _model_state(model) -> dict[str, torch.Tensor]:
-    if is_peft_model(model):
+    if _holds_adapters(model):
         from peft import get_peft_model_state_dict
 
         state = get_peft_model_state_dict(model)
@@ -80,7 +88,7 @@ def _model_state(model) -> dict[str, torch.Tensor]:
 
 
 def _load_model_state(model, state: dict[str, torch.Tensor]) -> None:
-    if is_peft_model(model):
+    if _holds_adapters(model):
         from peft import set_peft_model_state_dict
 
         set_peft_model_state_dict(model, state)
@@ -330,7 +338,7 @@ def save_pretrained_atomic(model, tokenizer, path: str | os.PathLike) -> str:
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # only left when something above failed
-    return "adapter" if is_peft_model(model) else "full"
+    return "adapter" if _holds_adapters(model) else "full"
 
 
 def _fsync_dir(path: Path) -> None:
