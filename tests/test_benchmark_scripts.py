@@ -41,24 +41,33 @@ def test_gpu_check_without_cuda_says_so_and_exits_0(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_smoke_runs_its_own_parts_on_cpu(tmp_path):
-    """The parts that need no TRL, at tiny shapes on CPU: the profile (with both kernels against float64) and
-    LoRA against full fine-tuning, each in its own process; the JSON holds what the GPU run reports."""
+    """The parts that need no TRL, at tiny shapes on CPU, each in its own process: the profile (both kernels
+    against float64), the step's sides without TRL (gradient checkpointing off and on in one process) and the
+    regional compile; the JSON holds what the GPU run reports."""
     import json
 
     out = tmp_path / "smoke.json"
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--parts", "profile",
-                        "lora_memory", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                        "step", "compile", "--sides", "ours", "ours_lora", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
+    assert res["commit"]
     prof = res["profile"]
     assert "error" not in prof, prof.get("error")
     assert len(prof["top15"]) == 15 and prof["mfu_loss_backward"] > 0
+    assert prof["host_syncs"]["syncs"] == 0
     for impl in ("cpu", "gpu"):
         assert prof["numerics"][impl]["logp_max_abs"] < 0.03  # the bf16 bound of tests/test_logprobs.py
-    for kind in ("full", "lora"):
-        assert "error" not in res["lora_memory"][kind], res["lora_memory"][kind].get("error")
-    assert res["lora_memory"]["lora"]["adapter_dtypes"] == ["torch.bfloat16"]
-    assert set(res["goals"]) == {"mfu_loss_backward", "lora_peak_vs_full"}
+    for side in ("ours", "ours_lora"):
+        assert set(res["step"][side]) >= {"gc_off", "gc_on"}, res["step"][side].get("error")
+        for gc in ("gc_off", "gc_on"):
+            t = res["step"][side][gc]["timed_wall_s"]
+            assert 0 < t["loss_backward"] < t["total"] and res["step"][side][gc]["trained_tokens"] > 0
+    comp = res["compile"]
+    assert "error" not in comp, comp.get("error")
+    assert comp["speedup"] > 0 and comp["logp_max_abs_vs_eager"] < 0.03
+    assert set(res["goals"]) == {"mfu_loss_backward", "regional_compile_loss_backward_speedup"}
 
 
 def test_generation_benchmark_times_each_side_and_checks_fast_against_default(tmp_path):
