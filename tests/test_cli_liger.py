@@ -8,6 +8,15 @@ from SimpleTorchLLMRL.recipes.calculator.cli import UsageError, body_kernels, pa
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 
+@pytest.fixture
+def restore_qwen2(monkeypatch):
+    """Liger patches transformers' qwen2 module for the whole process: put it back after the test."""
+    from transformers.models.qwen2 import modeling_qwen2
+
+    for name in ("apply_rotary_pos_emb", "Qwen2RMSNorm", "Qwen2MLP"):
+        monkeypatch.setattr(modeling_qwen2, name, getattr(modeling_qwen2, name))
+
+
 def _args(liger: str, device: str) -> argparse.Namespace:
     return argparse.Namespace(liger=liger, device=device)
 
@@ -25,7 +34,7 @@ def test_on_needs_cuda_and_says_so():
         resolve_device(args)
 
 
-def test_covered_architecture_is_patched_and_uncovered_one_falls_back_or_fails():
+def test_covered_architecture_is_patched_and_uncovered_one_falls_back_or_fails(restore_qwen2):
     pytest.importorskip("liger_kernel")
     qwen = tiny_model("qwen2", tiny_tokenizer("chatml"))
     assert body_kernels(qwen, _args("auto", "cuda")) == "on"  # patching needs no GPU; running it does
