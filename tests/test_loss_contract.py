@@ -354,3 +354,26 @@ def test_sft_dpo_and_distill_compute_returns_a_loss_output(name, qwen2_model, ch
     assert torch.isnan(out.token_logprobs[~mask]).all() and (out.token_logprobs[mask] <= 0).all()
     assert float(out.metrics["loss"]) == pytest.approx(float(out.loss.detach()), rel=1e-6)
     combine_metrics([out.metrics])
+
+
+def test_the_docs_table_of_fronts_names_each_fronts_options():
+    """docs/losses.md's table of fronts lists, per front, exactly its config's fields and its other keywords."""
+    from dataclasses import fields
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "losses.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0].startswith("`") and "(`trainer/" in cells[0]:
+            words = lambda cell: set(cell.replace("`", "").replace(" ", "").split(",")) - {""}  # noqa: E731
+            rows[cells[0].split("`")[1]] = (cells[1].strip("`"), words(cells[2]), words(cells[3]))
+    fronts = [(GRPO, GRPOConfig), (PPO, PPOConfig)] + _more_fronts()
+    assert set(rows) == {cls.__name__ for cls, _ in fronts}
+    compute = {f.name for f in fields(ComputeOptions)}
+    for cls, config_cls in fronts:
+        config_name, math, others = rows[cls.__name__]
+        names = set(inspect.signature(cls).parameters) - {"model", "tokenizer", "config", "compute"}
+        assert config_name == config_cls.__name__
+        assert math == {f.name for f in fields(config_cls) if f.init}, cls.__name__
+        assert others == names - math - compute, cls.__name__
