@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -178,6 +179,45 @@ def test_a_request_parsed_while_another_generates_gets_the_gateways_defaults(cal
     assert reply_b["usage"]["completion_tokens"] == len(mine.token_ids)
     assert theirs.temperature == 1.9 and reply_a["usage"]["completion_tokens"] <= 3
     assert_defaults(gw.generator.config)
+
+
+def test_a_request_with_min_p_is_sampled_and_recorded_with_it(calc):
+    """min_p (vLLM's extension field, sent through the OpenAI SDK's extra_body) reaches the draw, is recorded
+    on the MODEL message as `sampling`, and the trainer scores the turn as sampled: its log-probs under the
+    recorded min-p cut equal the recorded ones (1e-5), and differ from the full softmax's."""
+    from SimpleTorchLLMRL.chat.tokenize import rollouts_to_batch
+    from SimpleTorchLLMRL.model.logprobs import token_logprobs
+
+    model, tok = calc
+    gw = Gateway(ModelGenerate(model, tok, seed=0, decode="default", **DEFAULTS), window=0.01)
+    with gw.serve() as url:
+        client = openai.OpenAI(base_url=url, api_key="minp", max_retries=0, timeout=120)
+        client.chat.completions.create(model="policy", messages=start(), temperature=1.0, max_tokens=12,
+                                       extra_body={"min_p": 0.1})
+        plain = openai.OpenAI(base_url=url, api_key="plain", max_retries=0, timeout=120)
+        plain.chat.completions.create(model="policy", messages=start(), temperature=1.0, max_tokens=4)
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="policy", messages=start(), extra_body={"min_p": 1.5})
+        assert err.value.body["param"] == "min_p"
+        r = httpx.post(f"{url}/completions", json={"model": "policy", "prompt": "1 + 1 =", "min_p": 0.1,
+                                                   "max_tokens": 2}, headers={"Authorization": "Bearer legacy"},
+                       timeout=120)
+        assert r.status_code == 200, r.text  # the legacy path takes it too
+    [recorded] = gw.rollouts("minp")
+    [m] = [m for m in recorded if m.type is MessageType.MODEL]
+    assert m.sampling == {"min_p": 0.1} and m.temperature == 1.0 and len(m.token_ids) >= 4
+    [[p]] = [[m for m in x if m.type is MessageType.MODEL] for x in gw.rollouts("plain")]
+    assert p.sampling is None
+    assert_defaults(gw.generator.config)  # the request's min_p was its own
+    batch = rollouts_to_batch([recorded], tok)
+    known = ~torch.isnan(batch.sampler_logprobs) & batch.loss_mask.bool()
+    assert int(known.sum()) == len(m.token_ids)
+    with torch.no_grad():
+        cut = token_logprobs(model, batch, 1.0, positions=batch.loss_mask, truncation=batch.truncation)
+        full = token_logprobs(model, batch, 1.0, positions=batch.loss_mask)
+    gap = lambda lp: float((lp - batch.sampler_logprobs)[known].abs().max())  # noqa: E731
+    assert gap(cut) <= 1e-5
+    assert gap(full) > 1e-3  # the test can fail: the full softmax is not what was sampled from
 
 
 # ----------------------------------------------------------------------------- finish_reason

@@ -261,3 +261,119 @@ def test_ppo_fused_and_shared_prefix_wait_for_nothing(impl, qwen2_model, chatml_
         for mb in parts:
             ppo.compute(mb).loss.backward()
     assert_no_sync(counter)
+
+
+# ---------------------------------------------------------------- SFT, DPO and Distill: the same front shape
+
+
+def _front(cls, model, tok, *args, **options):
+    """A front of `cls` with what it needs beside the options (DPO a reference, Distill a teacher)."""
+    from SimpleTorchLLMRL.trainer.distill import Distill
+    from SimpleTorchLLMRL.trainer.dpo import DPO
+
+    need = {DPO: "ref_model", Distill: "teacher"}.get(cls)
+    if need is not None and need not in options:
+        options[need] = perturbed_copy(model)
+    return cls(model, tok, *args, **options)
+
+
+def _more_fronts():
+    from SimpleTorchLLMRL.trainer.distill import Distill, DistillConfig
+    from SimpleTorchLLMRL.trainer.dpo import DPO, DPOConfig
+    from SimpleTorchLLMRL.trainer.sft import SFT, SFTConfig
+
+    return [(SFT, SFTConfig), (DPO, DPOConfig), (Distill, DistillConfig)]
+
+
+@pytest.mark.parametrize("cls, config_cls", _more_fronts(), ids=lambda x: x.__name__)
+def test_sft_dpo_and_distill_take_the_fronts_shape(cls, config_cls, qwen2_model, chatml_tokenizer):
+    model, tok = qwen2_model, chatml_tokenizer
+    params = list(inspect.signature(cls).parameters.values())
+    assert [p.name for p in params[:4]] == ["model", "tokenizer", "config", "compute"]
+    assert not any(p.kind is p.VAR_KEYWORD for p in params)  # every option named
+    names = {p.name for p in params}
+    assert set(config_cls.__dataclass_fields__) <= names
+    assert {"chunk_size", "head_impl", "fused", "share_prefix", "max_length", "truncate"} <= names
+    with pytest.raises(TypeError, match=r"unknown options \['epsilon'\]") as err:
+        _front(cls, model, tok, epsilon=0.2)
+    assert isinstance(err.value, UnknownOptionError) and isinstance(err.value, ValueError)
+    field = {"SFT": ("aggregate", "sequence_mean_token_mean"), "DPO": ("beta", 0.3),
+             "Distill": ("kl_coef", 0.5)}[cls.__name__]
+    front = _front(cls, model, tok, config_cls(**dict([field])), ComputeOptions(chunk_size=16, truncate=True),
+                   chunk_size=8)  # a keyword overrides its field of config= / compute=
+    assert getattr(front.config, field[0]) == field[1]
+    assert (front.compute_options.chunk_size, front.compute_options.truncate) == (8, True)
+    assert _front(cls, model, tok, **dict([field])).config == config_cls(**dict([field]))
+    assert _front(cls, model, tok).config == config_cls()  # left out: the dataclass' defaults
+    with pytest.raises(ValueError, match=field[0]):  # a bad value is named as before
+        _front(cls, model, tok, **{field[0]: "nope" if field[0] == "aggregate" else -1.0})
+
+
+def test_the_old_third_positional_arguments_still_work(qwen2_model, chatml_tokenizer):
+    """`SFT(m, t, aggregate)`, `DPO(m, t, ref_model)` and `Distill(m, t, teacher)`: the forms before the shared shape."""
+    from SimpleTorchLLMRL.trainer.distill import Distill, DistillConfig
+    from SimpleTorchLLMRL.trainer.dpo import DPO
+    from SimpleTorchLLMRL.trainer.sft import SFT
+
+    model, tok = qwen2_model, chatml_tokenizer
+    other = perturbed_copy(model)
+    assert SFT(model, tok, "token_sum_constant").config.aggregate == "token_sum_constant"
+    assert DPO(model, tok, other, beta=0.2).ref_model is other
+    distill = Distill(model, tok, other, ComputeOptions(chunk_size=4), kl_coef=0.5)
+    assert (distill.teacher, distill.kind, distill.compute_options.chunk_size, distill.config.kl_coef) == \
+        (other, "hf", 4, 0.5)
+    assert Distill(model, tok, "rollouts").kind == Distill(model, tok).kind == "rollouts"
+    assert Distill(model, tok, DistillConfig(kl_coef=0.5), teacher=other).teacher is other
+    for make, what in ((lambda: Distill(model, tok, other, teacher=other), "teacher"),
+                       (lambda: DPO(model, tok, other, ref_model=other), "ref_model"),
+                       (lambda: SFT(model, tok, "token_mean", aggregate="token_mean"), "aggregate")):
+        with pytest.raises(TypeError, match=f"{what} twice"):
+            make()
+    with pytest.raises(TypeError, match="config= must be a DPOConfig"):
+        DPO(model, tok, 0.1, ref_model=other)  # neither a config nor a reference model
+
+
+@pytest.mark.parametrize("name", ["SFT", "DPO", "Distill"])
+def test_sft_dpo_and_distill_compute_returns_a_loss_output(name, qwen2_model, chatml_tokenizer):
+    from SimpleTorchLLMRL.trainer.combine import LazyMetrics
+
+    model, tok = qwen2_model, chatml_tokenizer
+    cls = next(c for c, _ in _more_fronts() if c.__name__ == name)
+    front = _front(cls, model, tok)
+    rollouts = make_rollouts(2, 2)
+    prepared = front.prepare(rollouts[0::2], rollouts[1::2]) if name == "DPO" else front.prepare(rollouts)
+    out = front.compute(prepared)
+    assert type(out) is L.LossOutput and out.loss.dim() == 0 and out.loss.requires_grad
+    assert isinstance(out.metrics, LazyMetrics) and out.metrics is front.metrics
+    tensors = {k: v for k, v in dict.items(out.metrics) if isinstance(v, torch.Tensor)}
+    assert {"loss", "num_sequences"} <= set(tensors)  # the loss call's own numbers stay tensors until read
+    assert all(v.dim() == 0 for v in tensors.values())
+    assert tensors["num_sequences"].dtype == torch.long and int(tensors["num_sequences"]) == len(rollouts)
+    mask = prepared.mask.bool()
+    assert out.token_logprobs is front.token_logprobs and out.token_logprobs.shape == mask.shape
+    assert torch.isnan(out.token_logprobs[~mask]).all() and (out.token_logprobs[mask] <= 0).all()
+    assert float(out.metrics["loss"]) == pytest.approx(float(out.loss.detach()), rel=1e-6)
+    combine_metrics([out.metrics])
+
+
+def test_the_docs_table_of_fronts_names_each_fronts_options():
+    """docs/losses.md's table of fronts lists, per front, exactly its config's fields and its other keywords."""
+    from dataclasses import fields
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "losses.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0].startswith("`") and "(`trainer/" in cells[0]:
+            words = lambda cell: set(cell.replace("`", "").replace(" ", "").split(",")) - {""}  # noqa: E731
+            rows[cells[0].split("`")[1]] = (cells[1].strip("`"), words(cells[2]), words(cells[3]))
+    fronts = [(GRPO, GRPOConfig), (PPO, PPOConfig)] + _more_fronts()
+    assert set(rows) == {cls.__name__ for cls, _ in fronts}
+    compute = {f.name for f in fields(ComputeOptions)}
+    for cls, config_cls in fronts:
+        config_name, math, others = rows[cls.__name__]
+        names = set(inspect.signature(cls).parameters) - {"model", "tokenizer", "config", "compute"}
+        assert config_name == config_cls.__name__
+        assert math == {f.name for f in fields(config_cls) if f.init}, cls.__name__
+        assert others == names - math - compute, cls.__name__

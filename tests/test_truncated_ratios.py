@@ -1,4 +1,4 @@
-"""End to end: sample with top-k / top-p (HF default loop, fast decode), encode, score with the trainer:
+"""End to end: sample with top-k / top-p / min-p (HF default loop, fast decode), encode, score with the trainer:
 on-policy ratios exp(trainer - recorded) are 1 (float32, 1e-5) on every head kernel that runs on a CPU,
 for GRPO and PPO, in batches that mix truncated and untruncated turns; and loss + backward still wait
 for nothing (the kept set's ops are sync-free)."""
@@ -44,13 +44,15 @@ def ratio_gap(trainer_lp: torch.Tensor, batch) -> float:
 
 
 @pytest.mark.parametrize("decode", ["default", "fast"])
-@pytest.mark.parametrize("sampling", [dict(top_k=20), dict(top_p=0.8), dict(top_k=20, top_p=0.8)])
+@pytest.mark.parametrize("sampling", [dict(top_k=20), dict(top_p=0.8), dict(top_k=20, top_p=0.8), dict(min_p=0.1),
+                                      dict(top_p=0.8, min_p=0.1)])
 def test_on_policy_ratios_are_one_under_truncation(setup, decode, sampling):
     model, tok = setup
     rollouts = sampled(model, tok, decode, **sampling) + sampled(model, tok, decode)  # truncated + plain turns
     assert rollouts[0][-1].sampling == sampling and rollouts[-1][-1].sampling is None
     batch = rollouts_to_batch(rollouts, tok)
-    assert batch.truncation is not None and int((batch.truncation.top_k > 0).sum() + (batch.truncation.top_p < 1).sum()) > 0
+    cut = batch.truncation
+    assert cut is not None and int((cut.top_k > 0).sum() + (cut.top_p < 1).sum() + (cut.min_p > 0).sum()) > 0
     rewards = [1.0, 0.0] * (len(rollouts) // 2)
     for impl in ["cpu", "gpu"]:
         grpo = GRPO(model, tok, group_size=2, head_impl=impl, chunk_size=16)

@@ -42,7 +42,7 @@ REFUSED = {"suffix": (None, ""), "echo": (None, False)}
 # here or in REFUSED is refused as OpenAI refuses it, never silently ignored
 KNOWN = frozenset({"model", "prompt", "max_tokens", "temperature", "top_p", "n", "best_of", "stop", "seed", "stream",
                    "stream_options", "logprobs", "return_token_ids", "logit_bias", "frequency_penalty",
-                   "presence_penalty", "user", "metadata"})
+                   "presence_penalty", "min_p", "user", "metadata"})
 
 
 @dataclass

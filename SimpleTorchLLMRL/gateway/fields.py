@@ -25,7 +25,7 @@ from typing import Any
 HONOURED = frozenset({
     "model", "messages", "tools", "tool_choice", "temperature", "top_p", "n", "max_tokens", "max_completion_tokens",
     "stop", "seed", "stream", "stream_options", "logprobs", "top_logprobs", "return_token_ids", "chat_template_kwargs",
-    "logit_bias", "frequency_penalty", "presence_penalty",
+    "logit_bias", "frequency_penalty", "presence_penalty", "min_p",  # min_p: vLLM's extension field
     "response_format", "parallel_tool_calls",
 })
 

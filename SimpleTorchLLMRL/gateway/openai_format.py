@@ -109,12 +109,13 @@ def number_field(body: dict, key: str, lo: float, hi: float, default):
 
 
 def sampling_controls(body: dict, defaults: SamplingConfig, vocab_size: int | None) -> dict:
-    """logit_bias, frequency_penalty and presence_penalty of a request as `SamplingConfig` keywords (the
+    """logit_bias, frequency_penalty, presence_penalty and min_p of a request as `SamplingConfig` keywords (the
     defaults' where the request leaves them out), in OpenAI's ranges: penalties in [-2, 2]; bias keys token
-    ids as integer strings, below `vocab_size` when given, values in [-100, 100]. A 400 naming the field
-    otherwise."""
+    ids as integer strings, below `vocab_size` when given, values in [-100, 100]; min_p (vLLM's extension
+    field, 0 disables) in [0, 1]. A 400 naming the field otherwise."""
     out = {key: number_field(body, key, -2, 2, getattr(defaults, key))
            for key in ("frequency_penalty", "presence_penalty")}
+    out["min_p"] = number_field(body, "min_p", 0, 1, defaults.min_p)
     bias = body.get("logit_bias")
     if bias is None:
         return {**out, "logit_bias": defaults.logit_bias}

@@ -110,9 +110,10 @@ class ModelGenerate:
 
     model: an HF causal LM (peft models too), a `vllm.LLM`, or with `backend="vllm"` a model path.
     sampling: the sampling options as one `SamplingConfig` (max_new_tokens, temperature, do_sample,
-    top_p, top_k, stop, tool_call_stop, eos_token_ids; logit_bias, frequency_penalty, presence_penalty
+    top_p, top_k, min_p, stop, tool_call_stop, eos_token_ids; logit_bias, frequency_penalty, presence_penalty
     and grammar (EBNF every completion must match, `model/constrain.py`) only there); the others are also
-    keyword arguments (give one or the other). stop: stop strings (kept in text and ids); tool_call_stop: stop strings that end the turn with
+    keyword arguments (give one or the other). min_p: keep the tokens whose probability is >= min_p times the
+    top one's (0 disables; vLLM's and HF's min_p). stop: stop strings (kept in text and ids); tool_call_stop: stop strings that end the turn with
     finish_reason "tool_call" (e.g. "</tool_call>"). eos_token_ids: ids that end a turn (default:
     tokenizer EOS + model generation-config EOS). seed: makes the sequence of calls reproducible.
     batch_size: HF backend only, at most this many sequences per `generate` call (None: all at
@@ -130,10 +131,10 @@ class ModelGenerate:
                  eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
                  batch_size: int | None = None, backend: str = "auto", lora_request=None,
                  vllm_kwargs: dict | None = None, policy_version: int = 0, sampling: SamplingConfig | None = None,
-                 decode: str = "auto"):
+                 decode: str = "auto", min_p: float = 0.0):
         self.config = _sampling_config(sampling, dict(
             max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample, top_p=top_p, top_k=top_k,
-            stop=stop, tool_call_stop=tool_call_stop, eos_token_ids=eos_token_ids))
+            min_p=min_p, stop=stop, tool_call_stop=tool_call_stop, eos_token_ids=eos_token_ids))
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size <= 0):

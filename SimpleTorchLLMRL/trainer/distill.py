@@ -12,7 +12,7 @@ Micro-batches and epochs, as with GRPO:
 
     prepared = distill.prepare(rollouts)              # encode; teacher log-probs once
     for mb in prepared.split(4):                      # each keeps the full batch's normalizer
-        out = distill.compute(mb)                     # StepOutput(loss, metrics, token_logprobs)
+        out = distill.compute(mb)                     # LossOutput(loss, metrics, token_logprobs)
         out.loss.backward()
 
 A thin front over `trainer.teacher` (where the teacher's log-probs come from) and the pure
@@ -21,7 +21,7 @@ units of `trainer.distill_loss`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -38,8 +38,6 @@ from SimpleTorchLLMRL.model.logprobs import (
 from SimpleTorchLLMRL.model.shared_prefix import first_positions
 from SimpleTorchLLMRL.trainer import advantages as A
 from SimpleTorchLLMRL.trainer.batch import (
-    ComputeOptions,
-    StepOutput,
     TrainBatch,
     check_rewards,
     encode,
@@ -48,8 +46,23 @@ from SimpleTorchLLMRL.trainer.batch import (
     trained_mask,
     warn_if_dropout,
 )
+from SimpleTorchLLMRL.trainer.combine import LazyMetrics
 from SimpleTorchLLMRL.trainer.distill_loss import DIVERGENCES, distill_loss, jsd_loss
-from SimpleTorchLLMRL.trainer.losses import AGGREGATORS, Clip, aggregation_weights, default_normalizer
+from SimpleTorchLLMRL.trainer.losses import (
+    AGGREGATORS,
+    Clip,
+    LossOutput,
+    aggregation_weights,
+    default_normalizer,
+)
+from SimpleTorchLLMRL.trainer.options import (
+    UNSET,
+    ComputeOptions,
+    build_options,
+    named_options,
+    old_third_argument,
+    one_of,
+)
 from SimpleTorchLLMRL.trainer.teacher import (
     check_teacher_tokenizer,
     hf_teacher_logprobs,
@@ -130,14 +143,8 @@ class DistillBatch(TrainBatch):
         return parts
 
 
-def _options(overrides: dict, config, compute) -> tuple[DistillConfig, ComputeOptions]:
-    mine, theirs = {f.name for f in fields(DistillConfig)}, {f.name for f in fields(ComputeOptions)}
-    unknown = sorted(set(overrides) - mine - theirs)
-    if unknown:
-        raise ValueError(f"Distill got unknown options {unknown}; allowed: {sorted(mine | theirs)}")
-    cfg = DistillConfig(**{**(vars(config) if config else {}), **{k: v for k, v in overrides.items() if k in mine}})
-    base = {f.name: getattr(compute, f.name) for f in fields(ComputeOptions)} if compute else {}
-    return cfg, ComputeOptions(**{**base, **{k: v for k, v in overrides.items() if k in theirs}})
+_NOT_OPTIONS = frozenset({"self", "model", "tokenizer", "config", "compute", "teacher", "teacher_tokenizer",
+                          "lora_request", "positional"})
 
 
 class Distill:
@@ -147,16 +154,33 @@ class Distill:
     `vllm.LLM` (prompt log-probs, temperature 1), or "rollouts" (each rollout's
     `metadata["teacher_logprobs"]`, see `trainer.teacher`). teacher_tokenizer: the teacher's, when
     it is not the student's; refused unless it encodes the rollouts to the same ids with the same
-    tokens (`trainer.teacher.check_teacher_tokenizer`). config / compute / overrides: `DistillConfig`
-    and `ComputeOptions` fields (chunk_size, head_impl, share_prefix, max_length, truncate; `fused` is
-    GRPO's and has no effect here).
+    tokens (`trainer.teacher.check_teacher_tokenizer`).
+
+    `Distill(model, tokenizer, config=None, compute=None, **options)`, as `GRPO`: options are `DistillConfig`'s
+    and `ComputeOptions`' (chunk_size, head_impl, share_prefix, max_length, truncate; `fused` is accepted and
+    has no effect here), each a named keyword argument, plus teacher, teacher_tokenizer and lora_request; an
+    unknown one raises `UnknownOptionError` (a TypeError). `Distill(model, tokenizer, teacher)` (the teacher as
+    third positional argument, anything but a `DistillConfig`) still works. `metrics` and `token_logprobs`
+    record the last loss call.
     """
 
     name = "Distill"
 
-    def __init__(self, model, tokenizer, teacher=ROLLOUTS, *, teacher_tokenizer=None, lora_request=None,
-                 config: DistillConfig | None = None, compute: ComputeOptions | None = None, **overrides):
-        self.config, self.compute_options = _options(overrides, config, compute)
+    @named_options
+    def __init__(self, model, tokenizer, config: DistillConfig | None = None, compute: ComputeOptions | None = None,
+                 *, teacher=UNSET, teacher_tokenizer=None, lora_request=None,
+                 divergence: str = UNSET, kl_coef: float = UNSET, jsd_beta: float = UNSET, eps: float | None = UNSET,
+                 aggregate: str = UNSET, temperature: float | None = UNSET, teacher_temperature: float | None = UNSET,
+                 rl_coef: float = UNSET, group_size: int | None = UNSET, scale_rewards: bool | str = UNSET,
+                 chunk_size: int | None = UNSET, head_impl: str = UNSET, max_length: int | None = UNSET,
+                 truncate: bool = UNSET, fused: bool | None = UNSET, share_prefix: bool = UNSET):
+        """config: a `DistillConfig`, compute: `ComputeOptions`; each keyword overrides its field.
+        teacher: an HF model, a `vllm.LLM` or "rollouts" (the default)."""
+        config, positional = old_third_argument(config, DistillConfig, lambda x: True)
+        teacher = one_of(self.name, "teacher", teacher, positional)
+        teacher = ROLLOUTS if teacher is UNSET else teacher
+        given = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
+        self.config, self.compute_options = build_options(self.name, DistillConfig, config, compute, given)
         if teacher is model:
             raise ValueError("Distill: the teacher is the student itself (the KL is always 0); pass another model")
         self.kind = "rollouts" if isinstance(teacher, str) and teacher == ROLLOUTS else (
@@ -174,7 +198,8 @@ class Distill:
             teacher_tokenizer = teacher.get_tokenizer()
         self.model, self.tokenizer, self.teacher = model, tokenizer, teacher
         self.teacher_tokenizer, self.lora_request = teacher_tokenizer, lora_request
-        self.metrics: dict = {}  # the last loss call's
+        self.metrics: dict = LazyMetrics()  # the last loss call's metrics (tensors until read)
+        self.token_logprobs: torch.Tensor | None = None  # (B, T) of the last loss call, NaN where not trained
         self._dropout_checked = False
 
     # -- rollouts -> a prepared batch
@@ -237,8 +262,10 @@ class Distill:
 
     # -- the loss
 
-    def compute(self, db: DistillBatch, normalizer: float | None = None) -> StepOutput:
-        """Loss, metrics and the student's recomputed log-probs ((B, T), NaN where not trained) of a (micro-)batch.
+    def compute(self, db: DistillBatch, normalizer: float | None = None) -> LossOutput:
+        """`LossOutput(loss, metrics, token_logprobs)` of a prepared (micro-)batch: metrics the unit's
+        (`distill_loss` / `jsd_loss`) with the batch's, a `LazyMetrics` of tensors until read; token_logprobs
+        the student's recomputed log-probs (B, T), NaN where not trained.
 
         normalizer: the FULL batch's denominator when you micro-batch yourself (`split` keeps it)."""
         cfg, o, mask, batch = self.config, self.compute_options, db.mask, db.batch
@@ -267,11 +294,12 @@ class Distill:
             lp = lp.detach()
         full = torch.full(mask.shape, torch.nan, device=lp.device)  # (B, T)
         full[:, 1:][select] = lp.float()
-        metrics = {**db.metrics, **out.metrics, "num_sequences": torch.tensor(len(db))}
+        extra = {"num_sequences": torch.full((), len(db), dtype=torch.long, device=mask.device)}
         if entropy is not None and entropy.numel():
-            metrics["entropy"] = entropy.float().mean()
-        self.metrics = metrics
-        return StepOutput(out.loss, metrics, full)
+            extra["entropy"] = entropy.float().mean()
+        metrics = LazyMetrics.merged(db.metrics, out.metrics, extra)  # tensors until read
+        self.metrics, self.token_logprobs = metrics, full  # the record of this call
+        return LossOutput(out.loss, metrics, full)
 
     def _jsd(self, db: DistillBatch, select, h, y, norm):
         cfg, o = self.config, self.compute_options

@@ -107,7 +107,7 @@ def distill_loss(*, logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask
         "ratio_min": torch.where(m, ratio, big).min().float(),
         "ratio_max": torch.where(m, ratio, -big).max().float(),
         "num_tokens": m.sum(),
-        "num_sequences": torch.tensor(m.shape[0]),
+        "num_sequences": torch.full((), m.shape[0], dtype=torch.long, device=m.device),
     }
     if clip is not None:
         metrics["clip_frac"] = _mean(clipped, mf)
@@ -190,5 +190,5 @@ def jsd_loss(*, hidden: torch.Tensor, head, teacher_hidden: torch.Tensor, teache
     logp = torch.cat(logps) if logps else div.detach()
     loss = (div * weight.to(div.dtype)).sum()
     metrics = {"loss": loss.detach(), "jsd": div.detach().mean() if n else div.new_zeros(()),
-               "num_tokens": torch.tensor(n)}
+               "num_tokens": torch.full((), n, dtype=torch.long, device=div.device)}
     return LossOutput(loss, metrics, logp)

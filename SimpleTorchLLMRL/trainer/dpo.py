@@ -21,16 +21,15 @@ as TRL's `DPOTrainer` defines them (loss_type "sigmoid", "robust", "ipo").
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from SimpleTorchLLMRL.chat.message import Rollout
 from SimpleTorchLLMRL.model.logprobs import token_logprobs
 from SimpleTorchLLMRL.trainer.batch import (
-    ComputeOptions,
-    StepOutput,
     TrainBatch,
     check_policy,
     encode,
@@ -39,7 +38,16 @@ from SimpleTorchLLMRL.trainer.batch import (
     trained_mask,
     warn_if_dropout,
 )
-from SimpleTorchLLMRL.trainer.grpo_loss import LossOutput
+from SimpleTorchLLMRL.trainer.combine import LazyMetrics
+from SimpleTorchLLMRL.trainer.losses import LossOutput
+from SimpleTorchLLMRL.trainer.options import (
+    UNSET,
+    ComputeOptions,
+    build_options,
+    named_options,
+    old_third_argument,
+    one_of,
+)
 
 __all__ = ["DPO", "DPOConfig", "dpo_loss", "DPO_VARIANTS"]
 
@@ -109,7 +117,7 @@ def dpo_loss(*, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.
     c, r = (beta * chosen).detach(), (beta * rejected).detach()
     share = lambda x: x.float().sum() / max(n, 1.0)  # noqa: E731
     metrics = {"loss": loss.detach(), "reward_accuracy": share(c > r), "reward_margin": share(c - r),
-               "chosen_reward": share(c), "rejected_reward": share(r), "num_sequences": torch.tensor(2 * pairs)}
+               "chosen_reward": share(c), "rejected_reward": share(r), "num_sequences": torch.full((), 2 * pairs, dtype=torch.long, device=mask.device)}
     return LossOutput(loss, metrics, logprobs.detach())
 
 
@@ -128,30 +136,38 @@ def interleave(chosen: list[Rollout], rejected: list[Rollout]) -> list[Rollout]:
     return out
 
 
+_NOT_OPTIONS = frozenset({"self", "model", "tokenizer", "config", "compute", "ref_model", "positional"})
+
+
 class DPO:
     """DPO over pairs of rollouts; `calculate_loss(chosen, rejected)` returns a scalar tensor.
 
-    ref_model: a frozen reference; None with a peft model: the same model with every adapter off
-    (`model.adapters.use_adapter(model, None)`, peft's `disable_adapter()`), no second copy.
-    config / overrides: `DPOConfig` (beta, variant, label_smoothing) and `ComputeOptions`
-    (chunk_size, head_impl, share_prefix, max_length, truncate) fields.
+    `DPO(model, tokenizer, config=None, compute=None, **options)`, as `GRPO`: options are `DPOConfig`'s (beta,
+    variant, label_smoothing) and `ComputeOptions`' (chunk_size, head_impl, share_prefix, max_length, truncate;
+    `fused` is accepted and has no effect), each a named keyword argument, plus ref_model; an unknown one raises
+    `UnknownOptionError` (a TypeError). ref_model: a frozen reference; None with a peft model: the same model
+    with every adapter off (`model.adapters.use_adapter(model, None)`, peft's `disable_adapter()`), no second
+    copy. `DPO(model, tokenizer, ref_model)` (the reference as third positional argument) still works.
+    `metrics` and `token_logprobs` record the last loss call.
     """
 
     name = "DPO"
 
-    def __init__(self, model, tokenizer, ref_model=None, config: DPOConfig | None = None,
-                 compute: ComputeOptions | None = None, **overrides):
-        mine, theirs = {f.name for f in fields(DPOConfig)}, {f.name for f in fields(ComputeOptions)}
-        unknown = sorted(set(overrides) - mine - theirs)
-        if unknown:
-            raise ValueError(f"DPO got unknown options {unknown}; allowed: {sorted(mine | theirs)}")
-        self.config = DPOConfig(**{**(vars(config) if config else {}),
-                                   **{k: v for k, v in overrides.items() if k in mine}})
-        base = {f.name: getattr(compute, f.name) for f in fields(ComputeOptions)} if compute else {}
-        self.compute_options = ComputeOptions(**{**base, **{k: v for k, v in overrides.items() if k in theirs}})
+    @named_options
+    def __init__(self, model, tokenizer, config: DPOConfig | None = None, compute: ComputeOptions | None = None, *,
+                 ref_model=UNSET, beta: float = UNSET, variant: str = UNSET, label_smoothing: float = UNSET,
+                 chunk_size: int | None = UNSET, head_impl: str = UNSET, max_length: int | None = UNSET,
+                 truncate: bool = UNSET, fused: bool | None = UNSET, share_prefix: bool = UNSET):
+        """config: a `DPOConfig`, compute: `ComputeOptions`; each keyword overrides its field."""
+        config, positional = old_third_argument(config, DPOConfig, lambda x: isinstance(x, nn.Module))
+        ref_model = one_of(self.name, "ref_model", ref_model, positional)
+        ref_model = None if ref_model is UNSET else ref_model
+        given = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
+        self.config, self.compute_options = build_options(self.name, DPOConfig, config, compute, given)
         check_policy(self.name, model, tokenizer, ref_model, beta=1.0)  # a reference is always needed
         self.model, self.tokenizer, self.ref_model = model, tokenizer, ref_model
-        self.metrics: dict = {}
+        self.metrics: dict = LazyMetrics()  # the last loss call's metrics (tensors until read)
+        self.token_logprobs: torch.Tensor | None = None  # (2P, T) of the last loss call, NaN where not trained
         self._dropout_checked = False
 
     def _logprobs(self, model, batch, mask):
@@ -169,8 +185,9 @@ class DPO:
         return TrainBatch(batch, mask, torch.zeros(len(batch), device=mask.device), 1.0, float(len(chosen)),
                           ref_logprobs=ref.to(mask.device))
 
-    def compute(self, tb: TrainBatch, normalizer: float | None = None) -> StepOutput:
-        """Loss, metrics and log-probs ((2P, T), NaN where not trained) of a prepared (micro-)batch of whole pairs.
+    def compute(self, tb: TrainBatch, normalizer: float | None = None) -> LossOutput:
+        """`LossOutput(loss, metrics, token_logprobs)` of a prepared (micro-)batch of whole pairs: metrics the
+        unit's (`dpo_loss`), a `LazyMetrics` of tensors until read; token_logprobs (2P, T), NaN where not trained.
 
         normalizer: the FULL batch's pair count when micro-batching yourself (`split` keeps it)."""
         if len(tb) % 2:
@@ -182,8 +199,9 @@ class DPO:
         out = dpo_loss(logprobs=logp, ref_logprobs=tb.ref_logprobs, mask=tb.mask, beta=cfg.beta, variant=cfg.variant,
                        label_smoothing=cfg.label_smoothing,
                        normalizer=normalizer if normalizer is not None else tb.normalizer)
-        self.metrics = dict(out.metrics)
-        return StepOutput(out.loss, self.metrics, torch.where(tb.mask.bool(), out.logprobs.float(), torch.nan))
+        full = torch.where(tb.mask.bool(), out.token_logprobs.float(), torch.nan)  # (2P, T)
+        self.metrics, self.token_logprobs = LazyMetrics.merged(out.metrics), full  # the record of this call
+        return LossOutput(out.loss, self.metrics, full)
 
     def calculate_loss(self, chosen, rejected=None, normalizer: float | None = None) -> torch.Tensor:
         """Scalar loss over lists of chosen and rejected rollouts (pair i: chosen[i], rejected[i]), or a prepared batch."""

@@ -109,6 +109,24 @@ def build_options(name: str, config_cls, config, compute: ComputeOptions | None,
     return cfg, ComputeOptions(**{**base, **{k: v for k, v in set_.items() if k in how}})
 
 
+def old_third_argument(config, config_cls, takes) -> tuple[object, object]:
+    """(config, old) from a front's third positional argument, for the fronts whose third positional argument
+    was something else before the shared shape: `Distill(student, tok, teacher)`, `DPO(model, tok, ref_model)`,
+    `SFT(model, tok, "token_mean")` keep working. A `config_cls` instance (or None) is the config, old =
+    `UNSET`; a value that `takes(value)` accepts is the old argument, config = None; anything else stays the
+    config (`build_options` then names its type)."""
+    if config is None or isinstance(config, config_cls) or not takes(config):
+        return config, UNSET
+    return None, config
+
+
+def one_of(name: str, what: str, keyword, positional):
+    """`keyword` or `positional` (`old_third_argument`'s), UNSET where neither; TypeError when both are given."""
+    if keyword is not UNSET and positional is not UNSET:
+        raise TypeError(f"{name} got {what} twice: as the third positional argument and as {what}=")
+    return positional if positional is not UNSET else keyword
+
+
 def split_options(name: str, options: dict, config_cls) -> tuple[dict, ComputeOptions]:
     """Keyword arguments -> (those of `config_cls`, ComputeOptions); `UnknownOptionError` naming unknown ones."""
     compute = {f.name for f in fields(ComputeOptions)}

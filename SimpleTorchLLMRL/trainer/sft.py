@@ -16,25 +16,31 @@ hand-written reply covers its content and end-of-turn token), so SFT sees the en
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import dataclass
 
 import torch
 
 from SimpleTorchLLMRL.chat.message import Rollout
 from SimpleTorchLLMRL.model.logprobs import check_vocabulary, token_logprobs
 from SimpleTorchLLMRL.trainer.batch import (
-    ComputeOptions,
-    StepOutput,
     TrainBatch,
     encode,
     model_device,
     trained_mask,
     warn_if_dropout,
 )
-from SimpleTorchLLMRL.trainer.grpo_loss import LossOutput
-from SimpleTorchLLMRL.trainer.losses import AGGREGATORS, aggregation_weights, default_normalizer
+from SimpleTorchLLMRL.trainer.combine import LazyMetrics
+from SimpleTorchLLMRL.trainer.losses import AGGREGATORS, LossOutput, aggregation_weights, default_normalizer
+from SimpleTorchLLMRL.trainer.options import (
+    UNSET,
+    ComputeOptions,
+    build_options,
+    named_options,
+    old_third_argument,
+    one_of,
+)
 
-__all__ = ["SFT", "sft_loss"]
+__all__ = ["SFT", "SFTConfig", "sft_loss"]
 
 
 def sft_loss(*, logprobs: torch.Tensor, mask: torch.Tensor, aggregate: str = "token_mean",
@@ -55,33 +61,58 @@ def sft_loss(*, logprobs: torch.Tensor, mask: torch.Tensor, aggregate: str = "to
     loss = -(lp * w).sum()
     n = m.sum()
     metrics = {"loss": loss.detach(), "nll": -lp.detach().float().sum() / n.clamp(min=1), "num_tokens": n,
-               "num_sequences": torch.tensor(m.shape[0])}
+               "num_sequences": torch.full((), m.shape[0], dtype=torch.long, device=m.device)}
     return LossOutput(loss, metrics, logprobs.detach())
+
+
+@dataclass
+class SFTConfig:
+    """The option that changes the math; also a keyword argument of `SFT`.
+
+    aggregate: how the per-token NLL is weighted, "token_mean" (default) | "sequence_mean_token_mean" |
+    "token_sum_constant" (`losses.AGGREGATORS`)."""
+
+    aggregate: str = "token_mean"
+
+    def __post_init__(self):
+        if self.aggregate not in AGGREGATORS:
+            raise ValueError(f"SFT aggregate={self.aggregate!r} is invalid; expected one of {sorted(AGGREGATORS)}")
+
+
+_NOT_OPTIONS = frozenset({"self", "model", "tokenizer", "config", "compute", "positional"})
 
 
 class SFT:
     """Cross-entropy on the trainable tokens of `Rollout`s; `calculate_loss(rollouts)` returns a scalar tensor.
 
-    aggregate: "token_mean" (default) | "sequence_mean_token_mean" | "token_sum_constant".
-    compute / overrides: `ComputeOptions` (chunk_size, head_impl, share_prefix, max_length, truncate).
+    `SFT(model, tokenizer, config=None, compute=None, **options)`, as `GRPO`: options are `SFTConfig`'s
+    (aggregate) and `ComputeOptions`' (chunk_size, head_impl, share_prefix, max_length, truncate; `fused` is
+    accepted and has no effect: the loss is not a clipped surrogate), each a named keyword argument; an unknown
+    one raises `UnknownOptionError` (a TypeError). `SFT(model, tokenizer, "token_mean")` (the aggregate as
+    third positional argument) still works. `metrics` and `token_logprobs` record the last loss call.
     """
 
     name = "SFT"
 
-    def __init__(self, model, tokenizer, aggregate: str = "token_mean", compute: ComputeOptions | None = None,
-                 **overrides):
-        if aggregate not in AGGREGATORS:
-            raise ValueError(f"SFT aggregate={aggregate!r} is invalid; expected one of {sorted(AGGREGATORS)}")
-        allowed = {f.name for f in fields(ComputeOptions)}
-        unknown = sorted(set(overrides) - allowed)
-        if unknown:
-            raise ValueError(f"SFT got unknown options {unknown}; allowed: {sorted(allowed | {'aggregate'})}")
-        base = {f.name: getattr(compute, f.name) for f in fields(ComputeOptions)} if compute else {}
-        self.compute_options = ComputeOptions(**{**base, **overrides})
+    @named_options
+    def __init__(self, model, tokenizer, config: SFTConfig | str | None = None, compute: ComputeOptions | None = None,
+                 *, aggregate: str = UNSET,
+                 chunk_size: int | None = UNSET, head_impl: str = UNSET, max_length: int | None = UNSET,
+                 truncate: bool = UNSET, fused: bool | None = UNSET, share_prefix: bool = UNSET):
+        """config: an `SFTConfig`, compute: `ComputeOptions`; each keyword overrides its field."""
+        config, positional = old_third_argument(config, SFTConfig, lambda x: isinstance(x, str))
+        aggregate = one_of(self.name, "aggregate", aggregate, positional)
+        given = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
+        self.config, self.compute_options = build_options(self.name, SFTConfig, config, compute, given)
         check_vocabulary(model, tokenizer)
-        self.model, self.tokenizer, self.aggregate = model, tokenizer, aggregate
-        self.metrics: dict = {}
+        self.model, self.tokenizer = model, tokenizer
+        self.metrics: dict = LazyMetrics()  # the last loss call's metrics (tensors until read)
+        self.token_logprobs: torch.Tensor | None = None  # (B, T) of the last loss call, NaN where not trained
         self._dropout_checked = False
+
+    @property
+    def aggregate(self) -> str:
+        return self.config.aggregate
 
     def prepare(self, rollouts: list[Rollout]) -> TrainBatch:
         """Encode once (micro-batches via `.split(n)` keep the full batch's normalizer)."""
@@ -95,8 +126,9 @@ class SFT:
         """The aggregator's denominator for this full batch (for your own micro-batching)."""
         return self.prepare(rollouts).normalizer
 
-    def compute(self, tb: TrainBatch, normalizer: float | None = None) -> StepOutput:
-        """Loss, metrics and log-probs ((B, T), NaN where not trained) of a prepared (micro-)batch."""
+    def compute(self, tb: TrainBatch, normalizer: float | None = None) -> LossOutput:
+        """`LossOutput(loss, metrics, token_logprobs)` of a prepared (micro-)batch: metrics the unit's (`sft_loss`),
+        a `LazyMetrics` of tensors until read; token_logprobs (B, T), NaN where not trained."""
         if not self._dropout_checked:
             self._dropout_checked = warn_if_dropout(self.name, self.model)
         o = self.compute_options
@@ -104,9 +136,9 @@ class SFT:
                                share_prefix=o.share_prefix, head_impl=o.head_impl)
         out = sft_loss(logprobs=logp, mask=tb.mask, aggregate=self.aggregate,
                        normalizer=normalizer if normalizer is not None else tb.normalizer)
-        full = torch.where(tb.mask.bool(), out.logprobs.float(), torch.nan)
-        self.metrics = dict(out.metrics)
-        return StepOutput(out.loss, self.metrics, full)
+        full = torch.where(tb.mask.bool(), out.token_logprobs.float(), torch.nan)  # (B, T)
+        self.metrics, self.token_logprobs = LazyMetrics.merged(out.metrics), full  # the record of this call
+        return LossOutput(out.loss, self.metrics, full)
 
     def calculate_loss(self, rollouts, normalizer: float | None = None) -> torch.Tensor:
         """Scalar loss over `rollouts`, or over a prepared `TrainBatch`."""
