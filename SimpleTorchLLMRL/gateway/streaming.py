@@ -21,7 +21,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from SimpleTorchLLMRL.model.sampling import SamplingConfig, text_through_stop
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig, text_through_stop
 
 DONE = object()  # put on a listener's queue once its job's future is set
 RESET = object()  # put on it when the job is generated again (a retry): its ids start over

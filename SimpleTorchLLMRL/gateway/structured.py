@@ -28,7 +28,7 @@ import json
 from collections.abc import Sequence
 
 from SimpleTorchLLMRL.gateway.fields import FieldError
-from SimpleTorchLLMRL.model.constrain import json_schema_grammar
+from SimpleTorchLLMRL.model.generation.constrain import json_schema_grammar
 from SimpleTorchLLMRL.tools.parsers import JsonToolCallParser
 
 

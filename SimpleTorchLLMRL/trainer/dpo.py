@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from SimpleTorchLLMRL.chat.message import Rollout
-from SimpleTorchLLMRL.model.logprobs import token_logprobs
+from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 from SimpleTorchLLMRL.trainer.batch import (
     ComputeOptions,
     StepOutput,

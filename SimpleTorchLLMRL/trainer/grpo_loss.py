@@ -27,12 +27,8 @@ from typing import NamedTuple
 
 import torch
 
-from SimpleTorchLLMRL.model.logprobs import (
-    fused_token_loss,
-    logprobs_from_hidden,
-    resolve_head_impl,
-    supports_fused,
-)
+from SimpleTorchLLMRL.model.scoring.head import supports_fused
+from SimpleTorchLLMRL.model.scoring.logprobs import fused_token_loss, logprobs_from_hidden, resolve_head_impl
 from SimpleTorchLLMRL.trainer import advantages as A
 from SimpleTorchLLMRL.trainer.batch import TrainBatch
 from SimpleTorchLLMRL.trainer.combine import LazyMetrics

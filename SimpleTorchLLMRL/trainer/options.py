@@ -17,7 +17,7 @@ import functools
 import inspect
 from dataclasses import dataclass, fields
 
-from SimpleTorchLLMRL.model.logprobs import DEFAULT_CHUNK_SIZE, HEAD_IMPLS
+from SimpleTorchLLMRL.model.scoring.logprobs import DEFAULT_CHUNK_SIZE, HEAD_IMPLS
 
 
 class _Unset:

@@ -21,7 +21,8 @@ from dataclasses import fields
 import torch
 
 from SimpleTorchLLMRL.chat.message import Rollout
-from SimpleTorchLLMRL.model.logprobs import check_vocabulary, token_logprobs
+from SimpleTorchLLMRL.model.scoring.head import check_vocabulary
+from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 from SimpleTorchLLMRL.trainer.batch import (
     ComputeOptions,
     StepOutput,

@@ -29,7 +29,8 @@ import torch
 
 from SimpleTorchLLMRL.chat.message import Rollout
 from SimpleTorchLLMRL.chat.tokenize import Batch, rollouts_to_batch
-from SimpleTorchLLMRL.model.logprobs import DEFAULT_CHUNK_SIZE, check_vocabulary, token_logprobs
+from SimpleTorchLLMRL.model.scoring.head import check_vocabulary
+from SimpleTorchLLMRL.model.scoring.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
 
 METADATA_KEY = "teacher_logprobs"
 
@@ -88,7 +89,7 @@ def vllm_teacher_logprobs(llm, batch: Batch, mask: torch.Tensor, *, lora_request
     One request per rollout: its ids as the prompt, `SamplingParams(max_tokens=1, prompt_logprobs=0)`;
     vLLM returns, for each prompt token after the first, a {id: Logprob} dict holding that id.
     """
-    from SimpleTorchLLMRL.model.vllm_engine import import_vllm
+    from SimpleTorchLLMRL.model.generation.vllm_engine import import_vllm
 
     vllm = import_vllm()
     from vllm.inputs import TokensPrompt

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from SimpleTorchLLMRL.model.picker import mass_error
+from SimpleTorchLLMRL.model.generation.picker import mass_error
 
 SLOT_ROUND = 64  # cache slots are rounded up to a multiple of this, so calls with similar lengths share a graph
 CHECK_EVERY = 16  # decode steps between checks for "every row has ended" (one host sync each)
@@ -168,7 +168,7 @@ class StaticDecoder:
 
     def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         """The prompts into slots 0..L-1; the buffers set for step 0."""
-        from SimpleTorchLLMRL.model.shared_prefix import forward_last_logits
+        from SimpleTorchLLMRL.model.scoring.shared_prefix import forward_last_logits
 
         B, L = input_ids.shape
         self.cache.reset()

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from SimpleTorchLLMRL.model.sampling import SamplingConfig
-from SimpleTorchLLMRL.model.truncation import keep_threshold, kept_probs, row_truncation
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
+from SimpleTorchLLMRL.model.scoring.truncation import keep_threshold, kept_probs, row_truncation
 
 BLOCK = 1024  # vocabulary entries per first-level block of the inverse CDF
 

@@ -124,7 +124,7 @@ class SamplingConfig:
         if self.grammar is not None:
             if not isinstance(self.grammar, str) or not self.grammar.strip():
                 raise ValueError(f"grammar must be None or EBNF text with a `root` rule, got {self.grammar!r:.80}")
-            from SimpleTorchLLMRL.model.constrain import check_grammar
+            from SimpleTorchLLMRL.model.generation.constrain import check_grammar
 
             check_grammar(self.grammar)
 

@@ -56,8 +56,8 @@ from collections.abc import Iterable
 
 import torch
 
-from SimpleTorchLLMRL.model.sampling import Sample, SamplingConfig
-from SimpleTorchLLMRL.model.vllm_engine import (
+from SimpleTorchLLMRL.model.generation.sampling import Sample, SamplingConfig
+from SimpleTorchLLMRL.model.generation.vllm_engine import (
     compare_probe,
     engine_model_config,
     import_vllm,
@@ -204,7 +204,7 @@ class VLLMBackend:
             samples = [self._sample(c, sampling) for out in outputs
                        for c in sorted(out.outputs, key=lambda c: c.index)]
         else:  # the engine stepped here: ids to the watch as they come, given-up rows aborted
-            from SimpleTorchLLMRL.model.vllm_stream import step_watched
+            from SimpleTorchLLMRL.model.generation.vllm_stream import step_watched
 
             rows = step_watched(self.llm, requests, params, lora, per_request, watch)
             samples = [self._sample(r.output, sampling) if r.given_up_at is None else self._given_up(r)
@@ -286,7 +286,7 @@ class VLLMBackend:
         """Save the adapter to a fresh directory and return a LoRARequest with a new id (vLLM caches by id)."""
         from vllm.lora.request import LoRARequest
 
-        from SimpleTorchLLMRL.model.weight_sync import export_adapter
+        from SimpleTorchLLMRL.model.generation.weight_sync import export_adapter
 
         old, self._adapter_dir = self._adapter_dir, tempfile.mkdtemp(prefix="stllmrl-lora-")
         path = export_adapter(model, self._adapter_dir)
@@ -299,7 +299,7 @@ class VLLMBackend:
         """Adapter `name` to a fresh directory, served as LoRARequest(name, new id, dir) (vLLM caches by id)."""
         from vllm.lora.request import LoRARequest
 
-        from SimpleTorchLLMRL.model.weight_sync import export_adapter
+        from SimpleTorchLLMRL.model.generation.weight_sync import export_adapter
 
         old = self._adapter_dirs.get(name)
         self._adapter_dirs[name] = tempfile.mkdtemp(prefix=f"stllmrl-lora-{name}-")
@@ -348,7 +348,7 @@ def push_weights(llm, model) -> None:
     tensors (the training model is never modified; FSDP2 is gathered to rank 0, where the other
     ranks get nothing to load; a 4-bit base is refused: push the adapter instead).
     """
-    from SimpleTorchLLMRL.model.weight_sync import vllm_weights
+    from SimpleTorchLLMRL.model.generation.weight_sync import vllm_weights
 
     weights = vllm_weights(model)
     if weights:

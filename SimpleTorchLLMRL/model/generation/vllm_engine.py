@@ -170,7 +170,7 @@ def probe_ids(tokenizer, length: int = 32) -> list[int]:
 @torch.no_grad()
 def trainer_probe(model, ids: list[int]) -> torch.Tensor:
     """The trainer's log-probs of ids[1:], (K,) float64, in eval mode (restored after): no dropout."""
-    from SimpleTorchLLMRL.model.logprobs import token_logprobs
+    from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 
     was_training = model.training
     model.eval()

@@ -50,7 +50,7 @@ class Sampler:
         self.engine = None
         self.lora_request = None
         if backend == "vllm":  # settings from one place (model/vllm_engine.py); engine_kwargs win
-            from SimpleTorchLLMRL.model.vllm_engine import make_llm
+            from SimpleTorchLLMRL.model.generation.vllm_engine import make_llm
 
             self.engine = make_llm(model_name, temperature=temperature, dtype=dtype,
                                    **{"enable_lora": adapter, **(engine_kwargs or {})})
