@@ -47,8 +47,8 @@ from SimpleTorchLLMRL.env.QASolve import QASolverEnv
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
 from SimpleTorchLLMRL.model.dropout import disable_dropout
 from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.generation.weight_sync import export_adapter
 from SimpleTorchLLMRL.model.lora import apply_lora
-from SimpleTorchLLMRL.model.weight_sync import export_adapter
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import build_dataset
 from SimpleTorchLLMRL.reward.boxed import BoxedReward
 from SimpleTorchLLMRL.reward.combine import CombinedReward

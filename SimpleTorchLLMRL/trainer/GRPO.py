@@ -19,7 +19,7 @@ Several epochs / micro-batches over the same rollouts:
         optimizer.step(); optimizer.zero_grad()
 
 The class is a thin front over functions you can call alone: `trainer.batch`
-(encode, checks, reference log-probs), `trainer.advantages`, `model.logprobs`
+(encode, checks, reference log-probs), `trainer.advantages`, `model.scoring.logprobs`
 and the pure loss unit `trainer.grpo_loss.grpo_loss`.
 """
 

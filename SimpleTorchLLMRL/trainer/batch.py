@@ -172,7 +172,7 @@ class TrainBatch:
     metrics: the batch-level numbers of `prepare` (rewards, advantages, staleness).
     token_index: (N,) long `trained_index(mask)`, found once before any forward (`prepare`, `split`);
     None: the loss finds it (one host sync). prefix_plan: with `share_prefix`, which rows share their
-    prompt (`model.shared_prefix.plan_shared_prefix`), found before any forward likewise.
+    prompt (`model.scoring.shared_prefix.plan_shared_prefix`), found before any forward likewise.
     """
 
     batch: Batch

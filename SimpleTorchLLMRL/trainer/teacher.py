@@ -6,9 +6,9 @@ holding the teacher's log p(input_ids[:, t] | input_ids[:, :t]) on the trained t
 Three sources, one result:
 
 - an HF model: `hf_teacher_logprobs`, through the chunked head the trainer uses
-  (`model.logprobs.token_logprobs`, under `torch.no_grad`; never (B, T, V));
+  (`model.scoring.logprobs.token_logprobs`, under `torch.no_grad`; never (B, T, V));
 - a vLLM engine: `vllm_teacher_logprobs`, one prefill per rollout with `prompt_logprobs=0`
-  (as `model/vllm.py` scores a grammar's tokens); vLLM computes them from the untempered logits,
+  (as `model/generation/vllm.py` scores a grammar's tokens); vLLM computes them from the untempered logits,
   so this source is temperature 1 only;
 - precomputed on the rollout: `rollout_teacher_logprobs` reads
   `rollout.metadata["teacher_logprobs"]`, a list with one entry per message: None, or the

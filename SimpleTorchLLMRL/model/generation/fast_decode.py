@@ -149,7 +149,7 @@ class StaticDecoder:
         """input_ids, attention_mask (B, L) left-padded -> ids (B, n), log-probs (B, n), n <= new_tokens.
 
         `row_stopped(ids of some rows so far)` says which of them a stop string ended (None: EOS only);
-        `watch` (a `model.watch.DecodeWatch`, or None): gets the new ids at each host check (every
+        `watch` (a `model.generation.watch.DecodeWatch`, or None): gets the new ids at each host check (every
         STREAM_EVERY steps when it streams), and the rows it cancels count as ended. `use_picker` first."""
         B, L = input_ids.shape
         if L + new_tokens > self.S or B != self.B:

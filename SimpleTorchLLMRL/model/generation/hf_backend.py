@@ -13,7 +13,7 @@ logit_bias / frequency / presence penalties, which shift the logits the draw is 
 none of those records the log-prob under the truncated, renormalized distribution it was drawn from
 (`SamplingConfig.records_truncated`). Greedy takes the argmax. Sampling draws by inverse CDF, one
 uniform per row (`inverse_cdf_sample`), from softmax(logits / T) or from its kept set
-(`model/truncation.py`: min-p, top-k, top-p in vLLM's order). HF's own sampling is `torch.multinomial`, an exponential race whose CPU
+(`model/scoring/truncation.py`: min-p, top-k, top-p in vLLM's order). HF's own sampling is `torch.multinomial`, an exponential race whose CPU
 RNG costs ~18 ns per vocabulary entry (187 ms per step at B=64, V=151,936); the (B, V) temporaries
 live in one buffer reused across steps. Under `generate` the picker is the only logits processor and
 returns scores whose argmax is its token (`generate` runs greedy). The model's own generation-config
@@ -162,7 +162,7 @@ class HFBackend:
     def generate(self, prompts: list[list[int]], n: int, seed: int | None, *, sampling: SamplingConfig,
                  adapter: str | None = None, watch=None) -> list[list[Sample]]:
         """`n` samples per prompt under `sampling` (this call's settings, never stored); `adapter`: with
-        that LoRA adapter of a multi-adapter peft model active; `watch`: a `model.watch.DecodeWatch`."""
+        that LoRA adapter of a multi-adapter peft model active; `watch`: a `model.generation.watch.DecodeWatch`."""
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         sampling.check_vocabulary(model_vocab_size(self.model))

@@ -3,7 +3,7 @@
     from SimpleTorchLLMRL.model.scoring.liger import apply_liger_kernels
     model = apply_liger_kernels(model)  # before training; CUDA only
 
-The body is where most of a step's time goes once the head is chunked (`model.logprobs`); the
+The body is where most of a step's time goes once the head is chunked (`model.scoring.logprobs`); the
 HF body runs each RMSNorm, SwiGLU and RoPE as several elementwise kernels. Liger-Kernel
 (`pip install 'SimpleTorchLLMRL[liger]'`) fuses each into one, as `TRL(use_liger_kernel=True)`
 does. Only the body is patched: the output head and the loss stay ours, so every trainer,
