@@ -136,3 +136,13 @@ def test_a_table_row_outside_its_package_is_refused():
 
     with pytest.raises(ValueError, match="direct children"):
         alias_moved("SimpleTorchLLMRL.model", {"SimpleTorchLLMRL.trainer.x": "SimpleTorchLLMRL.model.y"})
+
+
+def test_the_changelog_lists_every_row_of_the_table():
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    for old, new in MODULE_ROWS.items():
+        assert f"| `{old}` | `{new}` |" in changelog, old
+    for row, home in NAME_ROWS.items():
+        _, _, name = row.partition(":")
+        line = next((ln for ln in changelog.splitlines() if f".{name}`" in ln and f"`{home}`" in ln), None)
+        assert line is not None, row
