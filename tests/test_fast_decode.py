@@ -224,7 +224,7 @@ def test_multi_turn_calculator_episodes_on_the_real_tokenizer():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from SimpleTorchLLMRL.env.rollouts import collect_rollouts
-    from SimpleTorchLLMRL.env.ToolQASolve import ToolUseEnv
+    from SimpleTorchLLMRL.env.tool_use import ToolUseEnv
     from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
     from SimpleTorchLLMRL.testing.tiny import TINY_CALC
     from SimpleTorchLLMRL.tools.calculator import calculator

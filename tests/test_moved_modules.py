@@ -146,3 +146,23 @@ def test_the_changelog_lists_every_row_of_the_table():
         _, _, name = row.partition(":")
         line = next((ln for ln in changelog.splitlines() if f".{name}`" in ln and f"`{home}`" in ln), None)
         assert line is not None, row
+
+
+@pytest.mark.parametrize("seed,name,home,left", [
+    ("SimpleTorchLLMRL.env.QASolve", "QASolverEnv", "SimpleTorchLLMRL.env.qa_solver", ["DEFAULT_QA_PROMPT"]),
+    ("SimpleTorchLLMRL.env.ToolQASolve", "ToolUseEnv", "SimpleTorchLLMRL.env.tool_use",
+     ["ToolEpisode", "tool_stats", "default_tool_prompt"]),
+])
+def test_the_seed_env_modules_keep_their_env_silently_and_warn_for_the_rest(seed, name, home, left):
+    """env/QASolve.py and env/ToolQASolve.py are seed paths over the modules named after what they hold."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seed_module = importlib.import_module(seed)
+        assert getattr(seed_module, name) is getattr(importlib.import_module(home), name)
+    assert _deprecations(caught) == []
+    for old in left:
+        warn.DEPRECATED_SEEN.discard(f"{seed}.{old}")
+        with pytest.warns(DeprecationWarning, match=rf"{seed}\.{old} is deprecated; use {home}\.{old}"):
+            assert getattr(seed_module, old) is getattr(importlib.import_module(home), old)
+    with pytest.raises(AttributeError, match="nope"):
+        seed_module.nope  # noqa: B018

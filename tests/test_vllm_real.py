@@ -18,7 +18,7 @@ from engine_helpers import hf_logprobs, missing_a_weight, perturbed
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
-from SimpleTorchLLMRL.env.ToolQASolve import ToolUseEnv
+from SimpleTorchLLMRL.env.tool_use import ToolUseEnv
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
