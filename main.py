@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from SimpleTorchLLMRL import GRPO, BoxedReward, collect_rollouts
 from SimpleTorchLLMRL.env import ToolUseEnv
 from SimpleTorchLLMRL.env.async_rollouts import AsyncProducer, RolloutQueue, versions_after
-from SimpleTorchLLMRL.env.rollouts import collect_rollouts
 from SimpleTorchLLMRL.model.dropout import disable_dropout
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 from SimpleTorchLLMRL.recipes.calculator.cli import UsageError, check_args, fail, load_policy, parse_args
@@ -56,11 +56,9 @@ from SimpleTorchLLMRL.recipes.calculator.train_loop import (
     trim_metrics,
     write_atomic,
 )
-from SimpleTorchLLMRL.reward.boxed import BoxedReward
-from SimpleTorchLLMRL.tools.calculator import calculator
+from SimpleTorchLLMRL.tools import calculator
 from SimpleTorchLLMRL.trainer.combine import combine_metrics
 from SimpleTorchLLMRL.trainer.drift import logprob_drift
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
 from SimpleTorchLLMRL.utils.checkpoint import (
     CheckpointError,
     load_checkpoint,

@@ -30,7 +30,7 @@ _EARLIER = {  # resolve with a DeprecationWarning naming the module to import th
     "SimpleTorchLLMRL.chat.tokenize": ["Batch", "EncodedRollout", "collate", "encode_prompt", "encode_rollouts",
                                        "as_sampled"],
     "SimpleTorchLLMRL.chat.rollout_io": ["save_rollouts", "load_rollouts", "RolloutWriter"],
-    "SimpleTorchLLMRL.model.logprobs": ["token_logprobs"],
+    "SimpleTorchLLMRL.model.scoring.logprobs": ["token_logprobs"],
     "SimpleTorchLLMRL.trainer.drift": ["logprob_drift"],
     "SimpleTorchLLMRL.env": ["QASolverEnv", "ToolUseEnv"],
     "SimpleTorchLLMRL.tools": ["Tool"],

@@ -21,7 +21,7 @@ from sandbox_overhead import median_ms  # benchmarks/ is on the path when a scri
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.env.code import CodeEnv
 from SimpleTorchLLMRL.env.code_tests import CodeTests
-from SimpleTorchLLMRL.env.ToolQASolve import ToolEpisode
+from SimpleTorchLLMRL.env.tool_use import ToolEpisode
 from SimpleTorchLLMRL.tools.sandbox import PythonSandbox
 
 

@@ -45,8 +45,8 @@ def variant(model, tok, batch: int, new_tokens: int) -> dict:
     import torch
     from generation import rollouts
 
-    from SimpleTorchLLMRL.model.fast_decode import DECODERS
     from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.model.generation.fast_decode import DECODERS
 
     gen = ModelGenerate(model, tok, max_new_tokens=new_tokens, temperature=1.0, seed=0, decode="fast",
                         eos_token_ids=[model.config.vocab_size - 1])
@@ -71,9 +71,9 @@ def capture_halves(model, batch: int) -> dict:
     """Capture the picker alone and the decode forward alone; the traceback of whichever fails."""
     import torch
 
-    from SimpleTorchLLMRL.model.fast_decode import StaticDecoder
-    from SimpleTorchLLMRL.model.picker import TokenPicker
-    from SimpleTorchLLMRL.model.sampling import SamplingConfig
+    from SimpleTorchLLMRL.model.generation.fast_decode import StaticDecoder
+    from SimpleTorchLLMRL.model.generation.picker import TokenPicker
+    from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 
     out = {}
     V = model.config.vocab_size

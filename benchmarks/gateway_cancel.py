@@ -59,7 +59,7 @@ def hf_generator(a) -> tuple[ModelGenerate, dict, dict]:
 
 def vllm_generator(a) -> tuple[ModelGenerate, dict, dict]:
     """The embedded model on the real vLLM engine, the request fields that ban its EOS ids, a count of its steps."""
-    from SimpleTorchLLMRL.model.vllm_engine import make_llm
+    from SimpleTorchLLMRL.model.generation.vllm_engine import make_llm
 
     llm = make_llm(TINY_CALC, temperature=1.0, max_model_len=1024, enforce_eager=True)
     gen = ModelGenerate(llm, AutoTokenizer.from_pretrained(TINY_CALC), max_new_tokens=a.long, temperature=1.0, seed=0)

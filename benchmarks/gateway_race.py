@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from SimpleTorchLLMRL import ModelGenerate
 from SimpleTorchLLMRL.chat.message import Rollout
-from SimpleTorchLLMRL.model.sampling import SamplingConfig
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 
 UNUSUAL = SamplingConfig(max_new_tokens=3, temperature=1.9, stop=("zz",))

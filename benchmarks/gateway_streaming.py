@@ -49,7 +49,7 @@ def one_stream(url: str, tokens: int, seed: int, extra: dict | None = None) -> d
 
 def vllm_generator(tokens: int) -> tuple[ModelGenerate, dict]:
     """The embedded model on the real vLLM engine, and the request fields that ban its EOS ids."""
-    from SimpleTorchLLMRL.model.vllm_engine import make_llm
+    from SimpleTorchLLMRL.model.generation.vllm_engine import make_llm
 
     llm = make_llm(TINY_CALC, temperature=1.0, max_model_len=1024, enforce_eager=True)
     gen = ModelGenerate(llm, AutoTokenizer.from_pretrained(TINY_CALC), max_new_tokens=tokens, temperature=1.0, seed=0)

@@ -163,7 +163,7 @@ def main() -> None:
 
 def what_ran(model, caught) -> dict:
     """Whether the fast decode held a CUDA graph and a compiled forward after its calls, and what it warned."""
-    from SimpleTorchLLMRL.model.fast_decode import DECODERS, _decode_forward
+    from SimpleTorchLLMRL.model.generation.fast_decode import DECODERS, _decode_forward
 
     decoder = DECODERS[model][1]
     return {"cuda_graph": decoder.graph is not None, "compiled_forward": decoder.forward is not _decode_forward,
@@ -173,7 +173,7 @@ def what_ran(model, caught) -> dict:
 def vllm_rates(model, tok, a, opts: dict) -> list[float]:
     """The engine on the same weights (saved to a temporary directory), after freeing the HF model's GPU memory."""
     from SimpleTorchLLMRL.model.generate import ModelGenerate
-    from SimpleTorchLLMRL.model.vllm_engine import make_llm
+    from SimpleTorchLLMRL.model.generation.vllm_engine import make_llm
 
     with tempfile.TemporaryDirectory() as path:
         model.save_pretrained(path)

@@ -193,7 +193,7 @@ def _times(model, grpo, tb, device: str, n: int) -> list[float]:
 
 
 def _head_impls(device: str) -> list[str]:
-    from SimpleTorchLLMRL.model import head_triton
+    from SimpleTorchLLMRL.model.scoring import head_triton
 
     triton_ok = head_triton.available() and (device == "cuda" or head_triton.interpreting())
     return ["gpu"] + (["triton"] if triton_ok else [])
@@ -201,13 +201,13 @@ def _head_impls(device: str) -> list[str]:
 
 def part_profile(device: str, smoke: bool) -> dict:
     """Our loss + backward at the check's shape: each GPU head kernel, a torch.profiler table of the default,
-    and the same with Liger's body kernels (`model.liger`); MFU of each; head numerics against float64."""
+    and the same with Liger's body kernels (`model.scoring.liger`); MFU of each; head numerics against float64."""
     import grpo_sides as sides
     import torch
     from gpu_step import forward_flops_per_token, matmul_rate
     from torch.profiler import ProfilerActivity, profile
 
-    from SimpleTorchLLMRL.model import logprobs as L
+    from SimpleTorchLLMRL.model.scoring import head_kernels as K
 
     peak = matmul_rate(torch.device(device), torch.bfloat16, n=256 if smoke else 8192, iters=2 if smoke else 20)
     model, _, grpo, tb = _rollouts(smoke, device)
@@ -238,7 +238,7 @@ def part_profile(device: str, smoke: bool) -> dict:
     seconds = min(by_impl[impls[-1]][1:])
     out = {"device": device, "seq_shape": [B, T], "tokens_run": tokens_run, "head_impl": impls[-1],
            "loss_backward_s": by_impl[impls[-1]], "loss_backward_s_by_head_impl": by_impl,
-           "float32_output_gemm": L._F32_OUT["ok"], "numerics": numerics, "host_syncs": syncs,
+           "float32_output_gemm": K._F32_OUT["ok"], "numerics": numerics, "host_syncs": syncs,
            "measured_bf16_matmul_tflops": peak / 1e12, "model_tflops": flops / 1e12,
            "mfu_loss_backward": flops / seconds / peak,
            "self_cpu_ms_total": sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3,
@@ -256,7 +256,7 @@ def _chunk_sweep(model, grpo, tb, device: str) -> dict:
     """The "triton" kernel's chunk size (MiB of float32 logits): seconds and peak memory of loss + backward."""
     import torch
 
-    from SimpleTorchLLMRL.model import logprobs as L
+    from SimpleTorchLLMRL.model.scoring import logprobs as L
 
     default, out = L.GPU_CHUNK_BYTES, {}
     grpo.compute_options.head_impl = "triton"
@@ -278,8 +278,8 @@ def _with_liger_body(model, grpo, tb, device: str, flops: float, peak: float) ->
     """Liger's RMSNorm / SwiGLU / RoPE in the body, our head: log-probs against the HF body's, seconds, MFU."""
     import torch
 
-    from SimpleTorchLLMRL.model.liger import apply_liger_kernels
-    from SimpleTorchLLMRL.model.logprobs import token_logprobs
+    from SimpleTorchLLMRL.model.scoring.liger import apply_liger_kernels
+    from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 
     try:
         with torch.no_grad():
@@ -300,7 +300,9 @@ def head_numerics(model, tb, n: int = 512, impls=("cpu", "gpu")) -> dict:
     |d entropy| and the max error of d logp / d h relative to its largest entry."""
     import torch
 
-    from SimpleTorchLLMRL.model.logprobs import final_hidden_states, logprobs_from_hidden, output_head
+    from SimpleTorchLLMRL.model.scoring.head import output_head
+    from SimpleTorchLLMRL.model.scoring.hidden import final_hidden_states
+    from SimpleTorchLLMRL.model.scoring.logprobs import logprobs_from_hidden
 
     head = output_head(model)
     with torch.no_grad():
@@ -332,7 +334,7 @@ def part_compile(device: str, smoke: bool) -> dict:
     backward against eager in the same process and batch; the first compiled step (the compile) is reported."""
     import torch
 
-    from SimpleTorchLLMRL.model.logprobs import token_logprobs
+    from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 
     model, _, grpo, tb = _rollouts(smoke, device)
     eager = _times(model, grpo, tb, device, 3)

@@ -17,7 +17,7 @@ Phases of a step:
 Variants: `ours` (the library's defaults plus `GRPO(share_prefix=True)`: each group's prompt is
 prefilled once in generation and run once in the training forward), `ours_unshared` (both
 off: every row runs its whole sequence, as TRL does), `ours_liger` (`ours` with Liger's Triton kernels for
-RMSNorm, SwiGLU and RoPE in the body, `model.liger.apply_liger_kernels`; CUDA only), `ours_lora` (`ours`
+RMSNorm, SwiGLU and RoPE in the body, `model.scoring.liger.apply_liger_kernels`; CUDA only), `ours_lora` (`ours`
 with LoRA r=16 adapters in the base dtype, `model.lora.apply_lora`), `trl`, and
 `trl_liger` (TRL with `use_liger_kernel=True`: the same body kernels and Liger's fused GRPO loss; CUDA only).
 
@@ -201,7 +201,7 @@ def _ours_model(vocab: int, liger: bool, lora: bool):
     tok, model = build(vocab)
     if (liger, lora) not in _ADAPTED:
         if liger:
-            from SimpleTorchLLMRL.model.liger import apply_liger_kernels
+            from SimpleTorchLLMRL.model.scoring.liger import apply_liger_kernels
 
             apply_liger_kernels(model)
         if lora:  # r=16 on every linear of the body, adapters in the base dtype (bf16)

@@ -40,7 +40,7 @@ def child(args) -> dict:
     import torch
     from torch import nn
 
-    from SimpleTorchLLMRL.model.logprobs import fused_token_loss, logprobs_from_hidden
+    from SimpleTorchLLMRL.model.scoring.logprobs import fused_token_loss, logprobs_from_hidden
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -13,8 +13,8 @@ import time
 import psutil
 import torch
 
-from SimpleTorchLLMRL.model import logprobs as _lp
 from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.scoring import logprobs as _lp
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
 
 _proc = psutil.Process()

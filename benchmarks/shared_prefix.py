@@ -22,7 +22,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from SimpleTorchLLMRL.model.logprobs import final_hidden_states
+from SimpleTorchLLMRL.model.scoring.hidden import final_hidden_states
 
 
 def saved_bytes_and_seconds(model, ids, mask, start, w, needed) -> tuple[int, float, dict]:

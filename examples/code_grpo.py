@@ -26,13 +26,12 @@ from pathlib import Path
 
 import torch
 
-from SimpleTorchLLMRL.env import CodeEnv, CodeTests, collect_rollouts
+from SimpleTorchLLMRL import GRPO, ModelGenerate, collect_rollouts
+from SimpleTorchLLMRL.env import CodeEnv, CodeTests
 from SimpleTorchLLMRL.model.dropout import disable_dropout
-from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.recipes.calculator.data import read_rows
 from SimpleTorchLLMRL.testing.tiny import load_model_or_tiny
-from SimpleTorchLLMRL.tools.sandbox import PythonSandbox
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
+from SimpleTorchLLMRL.tools import PythonSandbox
 from SimpleTorchLLMRL.utils.metrics import MetricsLogger
 
 FORMATS = {"auto": CodeTests.from_answer, "humaneval": CodeTests.from_humaneval, "mbpp": CodeTests.from_mbpp,

@@ -27,15 +27,14 @@ from pathlib import Path
 
 import torch
 
-from SimpleTorchLLMRL.env import ToolUseEnv, collect_rollouts, tool_stats
+from SimpleTorchLLMRL import GRPO, ModelGenerate, collect_rollouts
+from SimpleTorchLLMRL.env import ToolUseEnv, tool_stats
 from SimpleTorchLLMRL.model.dropout import disable_dropout
-from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.reward import FunctionReward, extract_boxed
 from SimpleTorchLLMRL.testing.tiny import (
     load_model_or_tiny as load_model,  # a dir / hub id, "random", or the embedded model
 )
 from SimpleTorchLLMRL.tools import CalculatorError, calculator, evaluate
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
 from SimpleTorchLLMRL.utils.metrics import MetricsLogger
 
 FORMAT_CREDIT = 0.1

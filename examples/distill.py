@@ -26,15 +26,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from SimpleTorchLLMRL.env import ToolUseEnv, collect_rollouts
+from SimpleTorchLLMRL import BoxedReward, ModelGenerate, collect_rollouts
+from SimpleTorchLLMRL.env import ToolUseEnv
 from SimpleTorchLLMRL.model.dropout import disable_dropout
-from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 from SimpleTorchLLMRL.recipes.calculator.data import batch_at, load_data
 from SimpleTorchLLMRL.recipes.calculator.evaluate import evaluate
-from SimpleTorchLLMRL.reward.boxed import BoxedReward
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
-from SimpleTorchLLMRL.tools.calculator import calculator
+from SimpleTorchLLMRL.tools import calculator
 from SimpleTorchLLMRL.trainer.distill import Distill
 from SimpleTorchLLMRL.utils.training import clipped_step, seed_everything
 

@@ -22,14 +22,12 @@ import copy
 
 import torch
 
-from SimpleTorchLLMRL.env import ToolUseEnv, collect_rollouts
-from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL import GRPO, BoxedReward, ModelGenerate, collect_rollouts
+from SimpleTorchLLMRL.env import ToolUseEnv
 from SimpleTorchLLMRL.recipes.calculator import arithmetic
-from SimpleTorchLLMRL.reward import BoxedReward
 from SimpleTorchLLMRL.testing.tiny import load_model_or_tiny
 from SimpleTorchLLMRL.tools import calculator
 from SimpleTorchLLMRL.trainer.drift import logprob_drift
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
 
 
 def drift_under(model, tokenizer, rollouts, rewards, group_size: int):

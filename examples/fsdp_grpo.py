@@ -30,30 +30,24 @@ import time
 
 import torch
 
-from SimpleTorchLLMRL.distributed.fsdp import (
+from SimpleTorchLLMRL import GRPO, BoxedReward, ModelGenerate, collect_rollouts
+from SimpleTorchLLMRL.distributed import (
+    all_reduce_sum,
     allocate_gather_buffers,
+    cleanup,
+    data_parallel_normalizer,
     full_state_dict,
+    init_distributed,
+    shard_indices,
     sharded_parameters,
     wrap_fsdp2,
 )
-from SimpleTorchLLMRL.distributed.launch import (
-    all_reduce_sum,
-    cleanup,
-    data_parallel_normalizer,
-    init_distributed,
-    shard_indices,
-)
-from SimpleTorchLLMRL.env.QASolve import QASolverEnv
-from SimpleTorchLLMRL.env.rollouts import collect_rollouts
+from SimpleTorchLLMRL.env import QASolverEnv
 from SimpleTorchLLMRL.model.dropout import disable_dropout
-from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.generation.weight_sync import export_adapter
 from SimpleTorchLLMRL.model.lora import apply_lora
-from SimpleTorchLLMRL.model.weight_sync import export_adapter
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import build_dataset
-from SimpleTorchLLMRL.reward.boxed import BoxedReward
-from SimpleTorchLLMRL.reward.combine import CombinedReward
-from SimpleTorchLLMRL.reward.length import LengthPenalty
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
+from SimpleTorchLLMRL.reward import CombinedReward, LengthPenalty
 
 
 def parse_args(argv=None):

@@ -25,7 +25,7 @@ from SimpleTorchLLMRL import GRPO, BoxedReward, ModelGenerate
 from SimpleTorchLLMRL.gateway import Gateway
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import CALCULATOR_SCHEMA, SYSTEM_PROMPT, build_dataset
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
-from SimpleTorchLLMRL.tools.calculator import CalculatorError, evaluate
+from SimpleTorchLLMRL.tools import CalculatorError, evaluate
 
 # ----------------------------------------------------------------------------- the agent: OpenAI SDK only
 

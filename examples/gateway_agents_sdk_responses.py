@@ -18,12 +18,11 @@ from agents import Agent, Runner, function_tool, set_default_openai_client, set_
 from openai import AsyncOpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from SimpleTorchLLMRL import ModelGenerate
-from SimpleTorchLLMRL.chat.tokenize import encode_rollout
+from SimpleTorchLLMRL import ModelGenerate, encode_rollout
 from SimpleTorchLLMRL.gateway import Gateway
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
-from SimpleTorchLLMRL.tools.calculator import CalculatorError, evaluate
+from SimpleTorchLLMRL.tools import CalculatorError, evaluate
 
 QUESTIONS = ["What is 645 * 49?", "What is 312 * 17?", "What is 905 - 78?"]
 

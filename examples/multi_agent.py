@@ -19,11 +19,11 @@ import time
 
 import torch
 
-from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
-from SimpleTorchLLMRL.chat.tokenize import encode_prompt, rollouts_to_batch
+from SimpleTorchLLMRL import BoxedReward, Message, MessageType, Rollout, rollouts_to_batch
+from SimpleTorchLLMRL.chat.tokenize import encode_prompt
 from SimpleTorchLLMRL.env.multiagent import agent_turns, set_trainable_agents, take_turn, view_for_agent
 from SimpleTorchLLMRL.model.dropout import disable_dropout
-from SimpleTorchLLMRL.reward import BoxedReward, CombinedReward, LengthPenalty
+from SimpleTorchLLMRL.reward import CombinedReward, LengthPenalty
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 SYSTEM = "You are in a debate. Argue step by step and give the final answer in \\boxed{}."

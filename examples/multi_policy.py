@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+from SimpleTorchLLMRL import GRPO, Message, MessageType, ModelGenerate, Rollout
 from SimpleTorchLLMRL.env.multiagent import agent_turns, set_trainable_agents, take_turns
 from SimpleTorchLLMRL.model.adapters import (
     adapter_parameters,
@@ -49,10 +49,8 @@ from SimpleTorchLLMRL.model.adapters import (
     save_adapters,
     use_adapter,
 )
-from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.recipes.calculator import arithmetic as calc
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
 
 AGENTS = ("planner", "finisher")  # agent name == adapter name
 TOOLS = [calc.CALCULATOR_SCHEMA]

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+from SimpleTorchLLMRL import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import as_sampled, collate, encode_prompt, encode_rollouts
 from SimpleTorchLLMRL.recipes.calculator import arithmetic as A
 from SimpleTorchLLMRL.testing.tiny import CHATML_SPECIALS, CHATML_TEMPLATE, TINY_CALC
@@ -80,7 +80,7 @@ def _schema(rng: random.Random) -> dict:
 def _env_prompt() -> str:
     """The system prompt `ToolUseEnv([calculator])` writes when given no custom one."""
     from SimpleTorchLLMRL.env import ToolUseEnv
-    from SimpleTorchLLMRL.tools.calculator import calculator
+    from SimpleTorchLLMRL.tools import calculator
 
     return ToolUseEnv([calculator]).system_prompt
 

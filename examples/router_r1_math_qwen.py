@@ -32,8 +32,8 @@ from SimpleTorchLLMRL.recipes.router_r1 import (
     RoutingPool,
     load_rows,
 )
-from SimpleTorchLLMRL.reward.math import extract_boxed
-from SimpleTorchLLMRL.tools.calculator import evaluate
+from SimpleTorchLLMRL.reward import extract_boxed
+from SimpleTorchLLMRL.tools import evaluate
 
 SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
             "prealgebra", "precalculus")

@@ -20,8 +20,7 @@ import time
 
 import torch
 
-from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
-from SimpleTorchLLMRL.chat.tokenize import rollouts_to_batch
+from SimpleTorchLLMRL import Message, MessageType, Rollout, rollouts_to_batch
 from SimpleTorchLLMRL.model.dropout import disable_dropout
 from SimpleTorchLLMRL.recipes.router_r1 import (
     CallableModel,
@@ -32,7 +31,7 @@ from SimpleTorchLLMRL.recipes.router_r1 import (
     RoutingPool,
 )
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
-from SimpleTorchLLMRL.tools.calculator import evaluate
+from SimpleTorchLLMRL.tools import evaluate
 
 TOY_PROMPT = "Models: {models}\nQuestion: {question}\n"
 

@@ -20,7 +20,7 @@ import argparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+from SimpleTorchLLMRL import Message, MessageType, Rollout
 from SimpleTorchLLMRL.model.dropout import disable_dropout
 from SimpleTorchLLMRL.model.lora import apply_lora
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT, build_dataset

@@ -25,17 +25,15 @@ from pathlib import Path
 
 import torch
 
-from SimpleTorchLLMRL.chat.message import MessageType
-from SimpleTorchLLMRL.env import ToolUseEnv, collect_rollouts, tool_stats
+from SimpleTorchLLMRL import GRPO, BoxedReward, MessageType, ModelGenerate, collect_rollouts
+from SimpleTorchLLMRL.env import ToolUseEnv, tool_stats
 from SimpleTorchLLMRL.model.dropout import disable_dropout
-from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.recipes.calculator import arithmetic
-from SimpleTorchLLMRL.reward import BoxedReward, CombinedReward, FormatReward
+from SimpleTorchLLMRL.reward import CombinedReward, FormatReward
 from SimpleTorchLLMRL.testing.tiny import (
     load_model_or_tiny as load_model,  # a dir / hub id, "random", or the embedded model
 )
 from SimpleTorchLLMRL.tools import calculator
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
 from SimpleTorchLLMRL.utils.metrics import MetricsLogger
 
 

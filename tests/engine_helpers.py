@@ -5,7 +5,7 @@ import threading
 
 import torch
 
-from SimpleTorchLLMRL.model.logprobs import token_logprobs
+from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 
 
 def hf_logprobs(model, prompt: list[int], sampled: list[int]) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """A CPU stand-in for the documented `vllm` API surface (v0.11+ / 0.32), backed by a tiny HF model.
 
-Implements what `SimpleTorchLLMRL.model.vllm` touches, with vLLM's semantics:
+Implements what `SimpleTorchLLMRL.model.generation.vllm` touches, with vLLM's semantics:
 
 - `LLM(model_path, *, tokenizer=None, seed=0, logprobs_mode="raw_logprobs", enable_sleep_mode=False,
   enable_lora=False, max_lora_rank=16, max_model_len=None, **engine_kwargs)`

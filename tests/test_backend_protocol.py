@@ -1,4 +1,4 @@
-"""The `Backend` protocol (model/sampling.py) is what callers use of a backend: both backends define all of
+"""The `Backend` protocol (model/generation/sampling.py) is what callers use of a backend: both backends define all of
 it, the gateway asks nothing outside it, and the top-log-prob scoring it declares is right."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from generation_helpers import peaked
 import SimpleTorchLLMRL
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.model.generate import ModelGenerate
-from SimpleTorchLLMRL.model.hf_backend import HFBackend
-from SimpleTorchLLMRL.model.sampling import Backend
-from SimpleTorchLLMRL.model.vllm import VLLMBackend
+from SimpleTorchLLMRL.model.generation.hf_backend import HFBackend
+from SimpleTorchLLMRL.model.generation.sampling import Backend
+from SimpleTorchLLMRL.model.generation.vllm import VLLMBackend
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 GATEWAY = Path(SimpleTorchLLMRL.__file__).parent / "gateway"

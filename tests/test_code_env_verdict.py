@@ -8,7 +8,7 @@ import pytest
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.env.code import CodeEnv
-from SimpleTorchLLMRL.env.ToolQASolve import ToolEpisode
+from SimpleTorchLLMRL.env.tool_use import ToolEpisode
 from SimpleTorchLLMRL.tools.sandbox import PythonSandbox
 
 TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\nassert add(10, 20) == 30"

@@ -13,7 +13,7 @@ import pytest
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.env.code import CodeEnv, parse_report
 from SimpleTorchLLMRL.env.code_tests import CallTests, CodeTests, StdioTests
-from SimpleTorchLLMRL.env.ToolQASolve import ToolEpisode
+from SimpleTorchLLMRL.env.tool_use import ToolEpisode
 from SimpleTorchLLMRL.tools.sandbox import PythonSandbox
 
 NOT_A_SOLUTION = "print('I did not write add()')\n"

@@ -1,4 +1,4 @@
-"""Constrained decoding (`SamplingConfig.grammar`, `model/constrain.py`) on the HF loops.
+"""Constrained decoding (`SamplingConfig.grammar`, `model/generation/constrain.py`) on the HF loops.
 
 Every completion stays inside its grammar, greedy equals a naive masked-argmax loop, the fast loop asked
 for falls back to the default one (same ids under a seed), recorded log-probs are the raw
@@ -17,8 +17,8 @@ from generation_helpers import reference_logprobs  # noqa: E402
 from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.message import Rollout  # noqa: E402
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt  # noqa: E402
-from SimpleTorchLLMRL.model.constrain import compiled_grammar, json_schema_grammar  # noqa: E402
-from SimpleTorchLLMRL.model.sampling import SamplingConfig  # noqa: E402
+from SimpleTorchLLMRL.model.generation.constrain import compiled_grammar, json_schema_grammar  # noqa: E402
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig  # noqa: E402
 from tests.gateway_helpers import load_calc, start  # noqa: E402
 
 ANSWER = 'root ::= "The answer is " [0-9]{1,3} ("." | " apples.")'
@@ -81,7 +81,7 @@ def test_greedy_is_the_argmax_over_the_tokens_the_grammar_allows(calc):
 
 
 def test_the_fast_loop_asked_for_falls_back_with_the_same_ids(calc, monkeypatch):
-    from SimpleTorchLLMRL.model.hf_backend import HFBackend
+    from SimpleTorchLLMRL.model.generation.hf_backend import HFBackend
 
     model, tok = calc
     cfg = SamplingConfig(max_new_tokens=20, temperature=1.2, grammar=json_schema_grammar(SCHEMA))

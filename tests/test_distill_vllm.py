@@ -22,7 +22,7 @@ pytestmark = [
 
 
 def test_real_vllm_teacher_matches_the_hf_teacher():
-    from SimpleTorchLLMRL.model.vllm_engine import make_llm
+    from SimpleTorchLLMRL.model.generation.vllm_engine import make_llm
 
     tok = AutoTokenizer.from_pretrained(TINY_CALC)
     student = AutoModelForCausalLM.from_pretrained(TINY_CALC, dtype=torch.float32)

@@ -9,10 +9,10 @@ from generation_helpers import peaked, reference_logprobs
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
-from SimpleTorchLLMRL.model import fast_decode
-from SimpleTorchLLMRL.model.fast_decode import DECODERS, StaticDecoder, supports_fast_decode
 from SimpleTorchLLMRL.model.generate import ModelGenerate
-from SimpleTorchLLMRL.model.sampling import SamplingConfig
+from SimpleTorchLLMRL.model.generation import fast_decode
+from SimpleTorchLLMRL.model.generation.fast_decode import DECODERS, StaticDecoder, supports_fast_decode
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -94,7 +94,7 @@ def test_bias_and_penalties_sample_the_same_ids_on_both_paths(arch, shift, devic
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_compiled_forward_samples_the_same_ids(device):
     """torch.compile'd decode forward (the CUDA default); sampling stays outside the compiled code."""
-    from SimpleTorchLLMRL.model.fast_decode import _decode_forward
+    from SimpleTorchLLMRL.model.generation.fast_decode import _decode_forward
 
     tok = tiny_tokenizer("chatml")
     model = peaked(tiny_model("qwen2", tok), std=0.08)
@@ -224,7 +224,7 @@ def test_multi_turn_calculator_episodes_on_the_real_tokenizer():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from SimpleTorchLLMRL.env.rollouts import collect_rollouts
-    from SimpleTorchLLMRL.env.ToolQASolve import ToolUseEnv
+    from SimpleTorchLLMRL.env.tool_use import ToolUseEnv
     from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
     from SimpleTorchLLMRL.testing.tiny import TINY_CALC
     from SimpleTorchLLMRL.tools.calculator import calculator
@@ -254,7 +254,7 @@ def test_only_the_first_shapes_of_a_model_are_compiled(qwen, monkeypatch):
     run without torch.compile (one warning), and still sample the default path's ids."""
     import functools
 
-    from SimpleTorchLLMRL.model.fast_decode import _decode_forward
+    from SimpleTorchLLMRL.model.generation.fast_decode import _decode_forward
 
     model, tok = copy_of(qwen)
     stand_in = functools.partial(_decode_forward)  # counts as "compiled" without paying for a compile

@@ -91,7 +91,7 @@ def _worker(out_path: str) -> None:
         init_distributed,
         shard_indices,
     )
-    from SimpleTorchLLMRL.model.weight_sync import adapter_weights, export_adapter, vllm_weights
+    from SimpleTorchLLMRL.model.generation.weight_sync import adapter_weights, export_adapter, vllm_weights
     from SimpleTorchLLMRL.testing.tiny import tiny_tokenizer
     from SimpleTorchLLMRL.trainer.GRPO import GRPO
 

@@ -15,7 +15,7 @@ from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
 from SimpleTorchLLMRL.gateway.batcher import Batcher, Job  # noqa: E402
-from SimpleTorchLLMRL.model.sampling import SamplingConfig  # noqa: E402
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig  # noqa: E402
 from tests.gateway_helpers import load_calc, start  # noqa: E402
 
 

@@ -14,8 +14,8 @@ pytest.importorskip("fastapi")
 from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.message import Rollout  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway, streaming  # noqa: E402
-from SimpleTorchLLMRL.model.fast_decode import STREAM_EVERY  # noqa: E402
-from SimpleTorchLLMRL.model.watch import DecodeWatch  # noqa: E402
+from SimpleTorchLLMRL.model.generation.fast_decode import STREAM_EVERY  # noqa: E402
+from SimpleTorchLLMRL.model.generation.watch import DecodeWatch  # noqa: E402
 from tests.gateway_helpers import load_calc, start  # noqa: E402
 from tests.test_gateway_streaming import NEVER, StepCounter, content_of, sse_chunks  # noqa: E402
 

@@ -293,7 +293,7 @@ def test_links_go_with_their_session(calc):
 def test_a_session_keeps_its_latest_links_only():
     store = SessionStore()
     from SimpleTorchLLMRL.gateway.openai_format import ChatRequest
-    from SimpleTorchLLMRL.model.sampling import SamplingConfig
+    from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 
     req = ChatRequest(chat=[{"role": "user", "content": "hi"}], tools=None, sampling=SamplingConfig())
     session, plan = store.open("k", req)

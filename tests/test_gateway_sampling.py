@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.message import MessageType, Rollout  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
-from SimpleTorchLLMRL.model.sampling import SamplingConfig  # noqa: E402
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig  # noqa: E402
 from SimpleTorchLLMRL.tools.parsers import JsonToolCallParser  # noqa: E402
 from tests.gateway_helpers import calc_env, load_calc, start  # noqa: E402
 

@@ -15,9 +15,9 @@ from SimpleTorchLLMRL.chat.message import MessageType, Rollout  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
 from SimpleTorchLLMRL.gateway.openai_format import reply_view  # noqa: E402
 from SimpleTorchLLMRL.gateway.streaming import RowText, held_suffix, tool_openings  # noqa: E402
-from SimpleTorchLLMRL.model.fast_decode import STREAM_EVERY  # noqa: E402
-from SimpleTorchLLMRL.model.sampling import SamplingConfig  # noqa: E402
-from SimpleTorchLLMRL.model.watch import DecodeWatch  # noqa: E402
+from SimpleTorchLLMRL.model.generation.fast_decode import STREAM_EVERY  # noqa: E402
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig  # noqa: E402
+from SimpleTorchLLMRL.model.generation.watch import DecodeWatch  # noqa: E402
 from SimpleTorchLLMRL.tools.parsers import JsonToolCallParser  # noqa: E402
 from tests.gateway_helpers import calc_env, load_calc, start  # noqa: E402
 

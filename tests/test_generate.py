@@ -7,7 +7,7 @@ from generation_helpers import peaked, reference_logprobs
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout
 from SimpleTorchLLMRL.model.generate import ModelGenerate
-from SimpleTorchLLMRL.model.sampling import SamplingConfig, cut_sample, default_eos_ids
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig, cut_sample, default_eos_ids
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 ARCH = {"chatml": "qwen2", "llama3": "llama", "plain": "gpt2"}
@@ -285,7 +285,7 @@ def test_sampling_options_as_one_object_and_deprecated_spellings(qwen2_model, ch
     import warnings
 
     import SimpleTorchLLMRL.model.generate as G
-    from SimpleTorchLLMRL.model.sampling import SamplingConfig
+    from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 
     cfg = SamplingConfig(max_new_tokens=5, temperature=0.9, stop=("x",))
     a = ModelGenerate(qwen2_model, chatml_tokenizer, sampling=cfg, seed=3)

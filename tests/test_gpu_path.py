@@ -27,7 +27,7 @@ from losses_helpers import (
 )
 from test_grpo import REWARDS, _naive_adv, _naive_loss
 
-from SimpleTorchLLMRL.model import head_triton
+from SimpleTorchLLMRL.model.scoring import head_triton
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
 from SimpleTorchLLMRL.trainer.PPO import PPO
 

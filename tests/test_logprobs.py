@@ -6,8 +6,8 @@ from losses_helpers import batch_of, make_rollouts, multi_turn_rollout, naive_lo
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from SimpleTorchLLMRL.model import head_triton
-from SimpleTorchLLMRL.model.logprobs import fused_token_loss, logprobs_from_hidden, token_logprobs
+from SimpleTorchLLMRL.model.scoring import head_triton
+from SimpleTorchLLMRL.model.scoring.logprobs import fused_token_loss, logprobs_from_hidden, token_logprobs
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 
@@ -20,7 +20,7 @@ def naive_from_hidden(h, W, b, y, temperature):
 def small_scratch(monkeypatch, V, rows):
     """Row blocks of `rows` rows inside each chunk (the default scratch holds a whole small chunk)."""
     if rows:
-        monkeypatch.setattr("SimpleTorchLLMRL.model.head_kernels.SCRATCH_BYTES", 4 * V * rows)
+        monkeypatch.setattr("SimpleTorchLLMRL.model.scoring.head_kernels.SCRATCH_BYTES", 4 * V * rows)
 
 
 # (head_impl, scratch rows of the cpu kernel); "triton" runs on CPU only in Triton's interpreter, i.e. when
@@ -134,7 +134,7 @@ def test_bfloat16_head_within_the_stated_bound(impl, fused):
 
 
 def test_head_impl_is_checked_and_auto_follows_the_device():
-    import SimpleTorchLLMRL.model.logprobs as L
+    import SimpleTorchLLMRL.model.scoring.logprobs as L
 
     head = nn.Linear(8, 20)
     h, y = torch.randn(5, 8), torch.randint(0, 20, (5,))

@@ -86,7 +86,7 @@ def test_the_units_take_keyword_only_inputs_named_by_source():
 
 def test_grpo_token_loss_equals_the_front(qwen2_model, chatml_tokenizer):
     """The (B, T) unit on reference log-probs gives the front's loss and gradients (fused head path)."""
-    from SimpleTorchLLMRL.model.logprobs import token_logprobs
+    from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 
     model, tok = qwen2_model, chatml_tokenizer
     rollouts = with_sampled_logprobs(make_rollouts(2, 3), perturbed_copy(model, 0.2), tok, temperature=1.0)

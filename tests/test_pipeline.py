@@ -4,7 +4,7 @@ import pytest
 import torch
 from losses_helpers import make_rollouts, perturbed_copy, with_sampled_logprobs
 
-from SimpleTorchLLMRL.model.logprobs import output_head
+from SimpleTorchLLMRL.model.scoring.head import output_head
 from SimpleTorchLLMRL.trainer.combine import combine_metrics
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
 from SimpleTorchLLMRL.trainer.grpo_loss import GRPOConfig, grpo_loss, token_inputs
@@ -59,7 +59,7 @@ def test_the_loss_unit_is_pure(qwen2_model, chatml_tokenizer):
     grpo = GRPO(model, tok, group_size=4)
     tb = grpo.prepare(_off_policy(model, tok), REWARDS)
     with torch.no_grad():
-        from SimpleTorchLLMRL.model.logprobs import final_hidden_states
+        from SimpleTorchLLMRL.model.scoring.hidden import final_hidden_states
 
         hidden = final_hidden_states(model, tb.batch.input_ids, tb.batch.attention_mask)
     select = tb.mask[:, 1:].bool()

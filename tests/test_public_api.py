@@ -146,9 +146,10 @@ def step():
 
 @pytest.mark.parametrize("name", ["Sample", "cut_sample"])
 def test_names_moved_out_of_model_generate_warn_and_resolve(name):
-    from SimpleTorchLLMRL.model import generate, sampling
+    from SimpleTorchLLMRL.model import generate
+    from SimpleTorchLLMRL.model.generation import sampling
 
-    with pytest.warns(DeprecationWarning, match=rf"use `from SimpleTorchLLMRL\.model\.sampling import {name}`"):
+    with pytest.warns(DeprecationWarning, match=rf"use `from SimpleTorchLLMRL\.model\.generation\.sampling import {name}`"):
         assert getattr(generate, name) is getattr(sampling, name)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         generate.nope  # noqa: B018

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
-from SimpleTorchLLMRL.model.logprobs import token_logprobs
 from SimpleTorchLLMRL.model.lora import (
     adapter_disabled,
     bnb_4bit_config,
@@ -21,6 +20,7 @@ from SimpleTorchLLMRL.model.lora import (
     save_adapter,
     trainable_parameter_names,
 )
+from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 from SimpleTorchLLMRL.testing.tiny import tiny_model
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
 
@@ -161,7 +161,7 @@ def test_gradients_survive_an_eval_forward(base_dir):
 
 
 def test_qlora_refuses_lossy_merges(base_dir):
-    from SimpleTorchLLMRL.model.weight_sync import vllm_weights
+    from SimpleTorchLLMRL.model.generation.weight_sync import vllm_weights
 
     model = load_qlora(base_dir, r=4, alpha=8)
     with pytest.raises(ValueError, match="4-bit"):

@@ -14,7 +14,7 @@ from generation_helpers import peaked
 from SimpleTorchLLMRL.chat.message import Message, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
 from SimpleTorchLLMRL.model.generate import ModelGenerate
-from SimpleTorchLLMRL.model.picker import BLOCK, inverse_cdf_sample
+from SimpleTorchLLMRL.model.generation.picker import BLOCK, inverse_cdf_sample
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 

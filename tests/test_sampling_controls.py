@@ -15,10 +15,10 @@ from test_sampling import chi_square_ok
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.rollout_io import load_rollouts, save_rollouts
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
-from SimpleTorchLLMRL.model import picker as picker_module
 from SimpleTorchLLMRL.model.generate import ModelGenerate
-from SimpleTorchLLMRL.model.picker import TokenPicker
-from SimpleTorchLLMRL.model.sampling import SamplingConfig
+from SimpleTorchLLMRL.model.generation import picker as picker_module
+from SimpleTorchLLMRL.model.generation.picker import TokenPicker
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 DECODES = ("default", "fast")
@@ -293,7 +293,7 @@ def test_files_without_sampling_stay_version_1_and_old_records_load():
 def test_vllm_gets_bias_and_penalties_and_refuses_processed_logprobs(monkeypatch, tmp_path, qwen):
     from fake_vllm import install_fake_vllm
 
-    from SimpleTorchLLMRL.model.vllm import logprobs_mode_problem
+    from SimpleTorchLLMRL.model.generation.vllm import logprobs_mode_problem
 
     vllm = install_fake_vllm(monkeypatch)
     model, tok = qwen

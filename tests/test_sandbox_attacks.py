@@ -23,7 +23,7 @@ import pytest
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.env.code import CodeEnv
-from SimpleTorchLLMRL.env.ToolQASolve import ToolEpisode
+from SimpleTorchLLMRL.env.tool_use import ToolEpisode
 from SimpleTorchLLMRL.env.triggers import CodeTrigger
 from SimpleTorchLLMRL.tools.parsers import clean_code
 from SimpleTorchLLMRL.tools.sandbox import PythonSandbox

@@ -11,9 +11,10 @@ import torch
 from losses_helpers import assert_grads_close, grads, make_rollouts, multi_turn_rollout, with_sampled_logprobs
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, MistralConfig
 
-from SimpleTorchLLMRL.model import shared_prefix
-from SimpleTorchLLMRL.model.logprobs import final_hidden_states, token_logprobs
-from SimpleTorchLLMRL.model.shared_prefix import first_positions, prefix_groups
+from SimpleTorchLLMRL.model.scoring import shared_prefix
+from SimpleTorchLLMRL.model.scoring.hidden import final_hidden_states
+from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
+from SimpleTorchLLMRL.model.scoring.shared_prefix import first_positions, prefix_groups
 from SimpleTorchLLMRL.testing.tiny import tiny_model
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
 
@@ -195,7 +196,7 @@ def test_no_grad_logprob_pass_shares_too(qwen2_model, chatml_tokenizer):
 
     shared_prefix.shared_prefix_hidden_states = spy
     try:
-        from SimpleTorchLLMRL.model import logprobs as lp_mod
+        from SimpleTorchLLMRL.model.scoring import hidden as lp_mod
 
         lp_mod.shared_prefix_hidden_states = spy
         with torch.no_grad():

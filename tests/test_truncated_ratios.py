@@ -11,7 +11,7 @@ from test_host_syncs import SyncCounter, assert_no_sync
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import rollouts_to_batch
 from SimpleTorchLLMRL.model.generate import ModelGenerate
-from SimpleTorchLLMRL.model.logprobs import token_logprobs
+from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
 from SimpleTorchLLMRL.trainer.PPO import PPO

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from SimpleTorchLLMRL.chat.truncation import Truncation, truncation_settings
-from SimpleTorchLLMRL.model import head_triton
-from SimpleTorchLLMRL.model.logprobs import fused_token_loss, logprobs_from_hidden
-from SimpleTorchLLMRL.model.truncation import keep_threshold, row_truncation
+from SimpleTorchLLMRL.model.scoring import head_triton
+from SimpleTorchLLMRL.model.scoring.logprobs import fused_token_loss, logprobs_from_hidden
+from SimpleTorchLLMRL.model.scoring.truncation import keep_threshold, row_truncation
 
 TRITON = ["triton"] if head_triton.interpreting() else []
 KERNELS = ["cpu", "gpu", "generic"] + TRITON

@@ -10,7 +10,7 @@ import torch
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.model.generate import ModelGenerate
-from SimpleTorchLLMRL.model.logprobs import check_vocabulary
+from SimpleTorchLLMRL.model.scoring.head import check_vocabulary
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
 from SimpleTorchLLMRL.trainer.PPO import PPO, PPOConfig

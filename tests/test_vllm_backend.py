@@ -11,9 +11,9 @@ from generation_helpers import peaked, reference_logprobs
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout
 from SimpleTorchLLMRL.model.generate import ModelGenerate
-from SimpleTorchLLMRL.model.sampling import SamplingConfig
-from SimpleTorchLLMRL.model.vllm import logprobs_mode_problem, push_weights
-from SimpleTorchLLMRL.model.watch import DecodeWatch
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
+from SimpleTorchLLMRL.model.generation.vllm import logprobs_mode_problem, push_weights
+from SimpleTorchLLMRL.model.generation.watch import DecodeWatch
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 

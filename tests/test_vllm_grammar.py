@@ -12,10 +12,10 @@ from engine_helpers import hf_logprobs
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
-from SimpleTorchLLMRL.model.constrain import json_schema_grammar
 from SimpleTorchLLMRL.model.generate import ModelGenerate
-from SimpleTorchLLMRL.model.sampling import SamplingConfig
-from SimpleTorchLLMRL.model.watch import DecodeWatch
+from SimpleTorchLLMRL.model.generation.constrain import json_schema_grammar
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
+from SimpleTorchLLMRL.model.generation.watch import DecodeWatch
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 
@@ -40,7 +40,7 @@ def hf():
 
 @pytest.fixture(scope="module")
 def llm():
-    from SimpleTorchLLMRL.model.vllm_engine import make_llm
+    from SimpleTorchLLMRL.model.generation.vllm_engine import make_llm
 
     engine = make_llm(TINY_CALC, temperature=1.0, max_model_len=1024, enforce_eager=True)
     yield engine
@@ -80,7 +80,7 @@ def test_greedy_under_a_grammar_equals_the_hf_loop(llm, hf):
 
 
 def test_a_watched_call_under_a_grammar_gives_the_unwatched_messages(llm, hf):
-    """A watched call steps the engine (model/vllm_stream.py); the grammar's log-probs are rescored the same way
+    """A watched call steps the engine (model/generation/vllm_stream.py); the grammar's log-probs are rescored the same way
     afterwards: same ids, log-probs, finish reasons and text, n = 2 under one seed."""
     _, tok = hf
     gen = ModelGenerate(llm, tok, max_new_tokens=48, temperature=1.0, seed=0)

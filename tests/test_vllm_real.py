@@ -18,9 +18,9 @@ from engine_helpers import hf_logprobs, missing_a_weight, perturbed
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
-from SimpleTorchLLMRL.env.ToolQASolve import ToolUseEnv
+from SimpleTorchLLMRL.env.tool_use import ToolUseEnv
 from SimpleTorchLLMRL.model.generate import ModelGenerate
-from SimpleTorchLLMRL.model.sampling import SamplingConfig
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 from SimpleTorchLLMRL.tools.calculator import calculator
@@ -43,7 +43,7 @@ def hf():
 
 @pytest.fixture(scope="module")
 def llm():
-    from SimpleTorchLLMRL.model.vllm_engine import make_llm
+    from SimpleTorchLLMRL.model.generation.vllm_engine import make_llm
 
     engine = make_llm(TINY_CALC, temperature=1.0, max_model_len=1024, enable_lora=True, max_lora_rank=8,
                       enforce_eager=True)
@@ -146,8 +146,8 @@ def test_a_full_weight_push_reaches_the_engine_and_is_checked(llm, hf):
 
 
 def test_a_push_that_misses_a_weight_is_caught(llm, hf, monkeypatch):
-    from SimpleTorchLLMRL.model import weight_sync
-    from SimpleTorchLLMRL.model.vllm_engine import WeightSyncError
+    from SimpleTorchLLMRL.model.generation import weight_sync
+    from SimpleTorchLLMRL.model.generation.vllm_engine import WeightSyncError
 
     model, tok = hf
     other = copy.deepcopy(model)

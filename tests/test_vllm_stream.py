@@ -1,6 +1,6 @@
 """Streaming and cancellation on the real vLLM engine (the CPU build in CI), one engine for the module.
 
-A watched call steps the engine (model/vllm_stream.py): the same samples as `LLM.generate` under the same seed
+A watched call steps the engine (model/generation/vllm_stream.py): the same samples as `LLM.generate` under the same seed
 (n > 1 as vLLM's `n` and as repeated greedy requests, logit_bias and penalties, a pushed LoRA adapter; a grammar
 with its rescored log-probs: tests/test_vllm_grammar.py), ids reaching the watch while the engine runs, a
 given-up row aborted in the engine while the other rows sample what they would have, and a gateway stream
@@ -21,8 +21,8 @@ from engine_helpers import EngineSteps
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.model.generate import ModelGenerate
-from SimpleTorchLLMRL.model.sampling import SamplingConfig
-from SimpleTorchLLMRL.model.watch import DecodeWatch
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
+from SimpleTorchLLMRL.model.generation.watch import DecodeWatch
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 
@@ -44,7 +44,7 @@ def hf():
 
 @pytest.fixture(scope="module")
 def llm():
-    from SimpleTorchLLMRL.model.vllm_engine import make_llm
+    from SimpleTorchLLMRL.model.generation.vllm_engine import make_llm
 
     engine = make_llm(TINY_CALC, temperature=1.0, max_model_len=1024, enable_lora=True, max_lora_rank=8,
                       enforce_eager=True)

@@ -16,8 +16,7 @@ import torch
 from fake_vllm import install_fake_vllm
 from safetensors.torch import load_file
 
-from SimpleTorchLLMRL.model.lora import apply_lora
-from SimpleTorchLLMRL.model.weight_sync import (
+from SimpleTorchLLMRL.model.generation.weight_sync import (
     LoraSpec,
     base_weights,
     export_adapter,
@@ -25,6 +24,7 @@ from SimpleTorchLLMRL.model.weight_sync import (
     strip_peft_name,
     vllm_weights,
 )
+from SimpleTorchLLMRL.model.lora import apply_lora
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 PROMPT = [5, 17, 42, 99, 7]
@@ -208,7 +208,7 @@ def test_real_vllm_full_and_adapter_sync(tmp_path):  # pragma: no cover - GPU on
     import vllm as real_vllm
     from vllm.lora.request import LoRARequest
 
-    from SimpleTorchLLMRL.model.vllm import load_weights
+    from SimpleTorchLLMRL.model.generation.vllm import load_weights
 
     tok = tiny_tokenizer("chatml")
     # head_dim 64: vLLM's attention kernels do not take the default tiny model's 16

@@ -20,10 +20,10 @@ def main() -> None:
 
     from SimpleTorchLLMRL.chat.message import Message, Rollout
     from SimpleTorchLLMRL.chat.tokenize import encode_prompt
-    from SimpleTorchLLMRL.model import weight_sync
     from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.model.generation import weight_sync
+    from SimpleTorchLLMRL.model.generation.vllm_engine import WeightSyncError, in_process, make_llm
     from SimpleTorchLLMRL.model.lora import apply_lora
-    from SimpleTorchLLMRL.model.vllm_engine import WeightSyncError, in_process, make_llm
     from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 
     model = AutoModelForCausalLM.from_pretrained(TINY_CALC, dtype=torch.float32).eval()

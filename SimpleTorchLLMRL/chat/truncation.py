@@ -7,7 +7,7 @@ grammar, which the trainer cannot replay) was drawn from softmax(logits / T) cut
 renormalized. Its recorded log-probs are under that truncated distribution, and the trainer scores
 its tokens under the same one, so on-policy ratios are exactly 1 (trl#6789; docs/generation.md).
 `truncation_settings` is that one rule; the sampler (`SamplingConfig.records_truncated`) and the
-trainer (`batch_truncation`) both ask it. The math of the kept set is in `model/truncation.py`.
+trainer (`batch_truncation`) both ask it. The math of the kept set is in `model/scoring/truncation.py`.
 """
 
 from __future__ import annotations

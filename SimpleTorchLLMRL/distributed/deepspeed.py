@@ -14,7 +14,7 @@ ZeRO-2 shards optimizer state and gradients; the parameters stay whole, so the
 chunked log-probs (which apply the output head outside the model's forward)
 work unchanged. ZeRO-3 also partitions parameters and releases each module's
 weights when its forward returns, including the output head that
-`model.logprobs.token_logprobs` applies afterwards: use ZeRO-2 or FSDP2 (whose
+`model.scoring.logprobs.token_logprobs` applies afterwards: use ZeRO-2 or FSDP2 (whose
 root group stays gathered) for the GRPO / PPO losses, and ZeRO-3 only with a
 loss that takes the model's own logits.
 

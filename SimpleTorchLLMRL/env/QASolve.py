@@ -1,25 +1,22 @@
-"""`QASolverEnv`: one question, one answer, the final answer in `\\boxed{}` (score it with `BoxedReward`)."""
+"""The seed's module name for `QASolverEnv` (a seed path, silent): the env lives in `env/qa_solver.py`.
+
+Import it as `from SimpleTorchLLMRL.env import QASolverEnv`; this module's other old name,
+`DEFAULT_QA_PROMPT`, resolves with a DeprecationWarning (CHANGELOG.md).
+"""
 
 from __future__ import annotations
 
-from SimpleTorchLLMRL.env.base import SingleTurnEnv
+import importlib
 
-DEFAULT_QA_PROMPT = (
-    "You are a helpful assistant. Solve the problem step by step, then give the final answer "
-    "in \\boxed{}, for example \\boxed{42}."
-)
+from SimpleTorchLLMRL.env.qa_solver import QASolverEnv
+from SimpleTorchLLMRL.utils.warn import warn_deprecated
+
+__all__ = ["QASolverEnv"]
+_HOME = "SimpleTorchLLMRL.env.qa_solver"
 
 
-class QASolverEnv(SingleTurnEnv):
-    """Single turn: a system prompt asking for `\\boxed{}`, the question as the user turn, done after one reply.
-
-    custom_sys_prompt: replaces the default system prompt; "" sends no system message.
-    The episode state is {"answer": answer}.
-    """
-
-    max_turns = 1
-
-    def __init__(self, custom_sys_prompt: str | None = None):
-        if custom_sys_prompt is not None and not isinstance(custom_sys_prompt, str):
-            raise ValueError(f"custom_sys_prompt must be a str or None, got {type(custom_sys_prompt).__name__}")
-        super().__init__(DEFAULT_QA_PROMPT if custom_sys_prompt is None else custom_sys_prompt)
+def __getattr__(name: str):
+    if name != "DEFAULT_QA_PROMPT":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warn_deprecated(f"{__name__}.{name}", f"{_HOME}.{name}")
+    return getattr(importlib.import_module(_HOME), name)

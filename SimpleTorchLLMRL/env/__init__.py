@@ -3,9 +3,9 @@
 from SimpleTorchLLMRL.env.base import Env, SingleTurnEnv
 from SimpleTorchLLMRL.env.code import CodeEnv, CodeScores, Verdict
 from SimpleTorchLLMRL.env.code_formats import CodeTests
-from SimpleTorchLLMRL.env.QASolve import QASolverEnv
+from SimpleTorchLLMRL.env.qa_solver import QASolverEnv
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
-from SimpleTorchLLMRL.env.ToolQASolve import ToolEpisode, ToolUseEnv, tool_stats
+from SimpleTorchLLMRL.env.tool_use import ToolEpisode, ToolUseEnv, tool_stats
 from SimpleTorchLLMRL.env.triggers import CodeTrigger, NoneTrigger, Trigger, TriggerEnv, TriggerEpisode
 
 __all__ = [

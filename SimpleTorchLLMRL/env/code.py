@@ -51,7 +51,7 @@ from SimpleTorchLLMRL.chat.message import MessageType, Rollout
 from SimpleTorchLLMRL.env.code_codec import CodecError, decode
 from SimpleTorchLLMRL.env.code_formats import from_answer
 from SimpleTorchLLMRL.env.code_tests import CodeTests
-from SimpleTorchLLMRL.env.ToolQASolve import ToolEpisode, ToolUseEnv
+from SimpleTorchLLMRL.env.tool_use import ToolEpisode, ToolUseEnv
 from SimpleTorchLLMRL.tools.parsers import CodeBlockParser
 from SimpleTorchLLMRL.tools.registry import ToolRegistry
 from SimpleTorchLLMRL.tools.sandbox import PythonSandbox, python_tool

@@ -22,8 +22,8 @@ import json
 from dataclasses import dataclass
 
 from SimpleTorchLLMRL.chat.message import Message, Rollout
-from SimpleTorchLLMRL.model.sampling import SamplingConfig
-from SimpleTorchLLMRL.model.watch import DecodeWatch
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
+from SimpleTorchLLMRL.model.generation.watch import DecodeWatch
 
 
 @dataclass

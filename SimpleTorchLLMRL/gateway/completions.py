@@ -31,7 +31,7 @@ from SimpleTorchLLMRL.gateway.openai_format import (
     without_stop,
 )
 from SimpleTorchLLMRL.gateway.streaming import Listener, until_disconnect
-from SimpleTorchLLMRL.model.sampling import SamplingConfig
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 
 MAX_PROMPTS = 64
 MAX_LOGPROBS = 5  # OpenAI's legacy limit on `logprobs`

@@ -25,7 +25,7 @@ from SimpleTorchLLMRL.gateway.fields import (
     tool_function_of,
 )
 from SimpleTorchLLMRL.gateway.structured import reply_grammar
-from SimpleTorchLLMRL.model.sampling import SamplingConfig
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.tools.parsers import JsonToolCallParser, ToolCall, parse_tool_calls
 
 MAX_N = 64

@@ -58,7 +58,7 @@ from SimpleTorchLLMRL.gateway.streaming import (
     tool_openings,
     until_disconnect,
 )
-from SimpleTorchLLMRL.model.sampling import SamplingConfig
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 
 ANONYMOUS = "default"
 

@@ -2,7 +2,7 @@
 client passed back to the decode loop.
 
     listener = Listener(loop, stream=True)          # one per call, handed to the batcher with its Job
-    # worker thread (the decode loop, through model.watch.DecodeWatch): listener.push([(j, ids), ...])
+    # worker thread (the decode loop, through model.generation.watch.DecodeWatch): listener.push([(j, ids), ...])
     # event loop: `await listener.queue.get()` -> [(j, ids)] ... then DONE once the job's future is set
     listener.cancel()                                # the client left: its rows stop within a few steps
 
@@ -21,7 +21,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from SimpleTorchLLMRL.model.sampling import SamplingConfig, text_through_stop
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig, text_through_stop
 
 DONE = object()  # put on a listener's queue once its job's future is set
 RESET = object()  # put on it when the job is generated again (a retry): its ids start over

@@ -3,7 +3,7 @@
     reply_grammar(response_format, tools, tool_choice, tool_function, parallel, parsers) -> EBNF | None
 
 The grammar goes into the call's `SamplingConfig.grammar`; the HF loops and vLLM enforce it
-(`model/constrain.py`). Every piece is built by xgrammar from a JSON schema, so a reply that matches
+(`model/generation/constrain.py`). Every piece is built by xgrammar from a JSON schema, so a reply that matches
 the grammar parses and validates:
 
     response_format json_object       one JSON object
@@ -28,7 +28,7 @@ import json
 from collections.abc import Sequence
 
 from SimpleTorchLLMRL.gateway.fields import FieldError
-from SimpleTorchLLMRL.model.constrain import json_schema_grammar
+from SimpleTorchLLMRL.model.generation.constrain import json_schema_grammar
 from SimpleTorchLLMRL.tools.parsers import JsonToolCallParser
 
 

@@ -160,7 +160,7 @@ def save_adapters(model: nn.Module, path: str | os.PathLike, names: Sequence[str
 
     names: default every adapter. Returns {name: directory}. `path/agents.json` lists them in order.
     """
-    from SimpleTorchLLMRL.model.weight_sync import export_adapter
+    from SimpleTorchLLMRL.model.generation.weight_sync import export_adapter
 
     names = _check_names(adapter_names(model) if names is None else names)
     for n in names:

@@ -31,16 +31,17 @@ import torch
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
-from SimpleTorchLLMRL.model.sampling import SamplingConfig, default_eos_ids
-from SimpleTorchLLMRL.model.watch import DecodeWatch
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig, default_eos_ids
+from SimpleTorchLLMRL.model.generation.watch import DecodeWatch
 from SimpleTorchLLMRL.utils.warn import warn_user
 
 if TYPE_CHECKING:
-    from SimpleTorchLLMRL.model.sampling import Sample
+    from SimpleTorchLLMRL.model.generation.sampling import Sample
 
 BACKENDS = ("auto", "hf", "vllm")
 _WARNED: set[str] = set()  # deprecated spellings already reported in this process
-_MOVED = {"Sample": "SimpleTorchLLMRL.model.sampling", "cut_sample": "SimpleTorchLLMRL.model.sampling"}
+_MOVED = {"Sample": "SimpleTorchLLMRL.model.generation.sampling",
+          "cut_sample": "SimpleTorchLLMRL.model.generation.sampling"}
 
 
 def __getattr__(name: str):
@@ -144,7 +145,7 @@ class ModelGenerate:
             raise ValueError("tokenizer is required for the HF backend")
         self._rng = None if seed is None else torch.Generator().manual_seed(int(seed))
         if use_vllm:
-            from SimpleTorchLLMRL.model.vllm import VLLMBackend
+            from SimpleTorchLLMRL.model.generation.vllm import VLLMBackend
 
             if decode != "auto":
                 raise ValueError(f"decode={decode!r} chooses the HF backend's decode loop; the vLLM engine has its own")
@@ -152,7 +153,7 @@ class ModelGenerate:
                                        vllm_kwargs=vllm_kwargs)
             tokenizer = self.backend.tokenizer
         else:
-            from SimpleTorchLLMRL.model.hf_backend import HFBackend
+            from SimpleTorchLLMRL.model.generation.hf_backend import HFBackend
 
             if lora_request is not None or vllm_kwargs:
                 raise ValueError("lora_request / vllm_kwargs only apply to the vLLM backend")

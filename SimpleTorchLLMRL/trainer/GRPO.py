@@ -19,7 +19,7 @@ Several epochs / micro-batches over the same rollouts:
         optimizer.step(); optimizer.zero_grad()
 
 The class is a thin front over functions you can call alone: `trainer.batch`
-(encode, checks, reference log-probs), `trainer.advantages`, `model.logprobs`
+(encode, checks, reference log-probs), `trainer.advantages`, `model.scoring.logprobs`
 and the pure loss unit `trainer.grpo_loss.grpo_loss`.
 """
 
@@ -28,13 +28,10 @@ from __future__ import annotations
 import torch
 
 from SimpleTorchLLMRL.chat.message import Rollout
-from SimpleTorchLLMRL.model.logprobs import (
-    final_hidden_states,
-    logit_softcap,
-    output_head,
-    token_logprobs,
-)
-from SimpleTorchLLMRL.model.shared_prefix import PrefixPlan, first_positions, plan_shared_prefix
+from SimpleTorchLLMRL.model.scoring.head import logit_softcap, output_head
+from SimpleTorchLLMRL.model.scoring.hidden import final_hidden_states
+from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
+from SimpleTorchLLMRL.model.scoring.shared_prefix import PrefixPlan, first_positions, plan_shared_prefix
 from SimpleTorchLLMRL.reward.length import OverlongPenalty
 from SimpleTorchLLMRL.trainer import advantages as A
 from SimpleTorchLLMRL.trainer.batch import (

@@ -20,16 +20,10 @@ import torch
 from torch import nn
 
 from SimpleTorchLLMRL.chat.message import Rollout
-from SimpleTorchLLMRL.model.logprobs import (
-    final_hidden_states,
-    fused_token_loss,
-    logit_softcap,
-    logprobs_at,
-    output_head,
-    supports_fused,
-    token_logprobs,
-)
-from SimpleTorchLLMRL.model.shared_prefix import PrefixPlan, first_positions, plan_shared_prefix
+from SimpleTorchLLMRL.model.scoring.head import logit_softcap, output_head, supports_fused
+from SimpleTorchLLMRL.model.scoring.hidden import final_hidden_states
+from SimpleTorchLLMRL.model.scoring.logprobs import fused_token_loss, logprobs_at, token_logprobs
+from SimpleTorchLLMRL.model.scoring.shared_prefix import PrefixPlan, first_positions, plan_shared_prefix
 from SimpleTorchLLMRL.trainer import advantages as A
 from SimpleTorchLLMRL.trainer.batch import (
     StepOutput,

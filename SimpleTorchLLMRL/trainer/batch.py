@@ -24,9 +24,9 @@ from SimpleTorchLLMRL.chat.message import Rollout, sampled_versions
 from SimpleTorchLLMRL.chat.tokenize import Batch, rollouts_to_batch
 from SimpleTorchLLMRL.model.adapters import use_adapter
 from SimpleTorchLLMRL.model.dropout import active_dropout
-from SimpleTorchLLMRL.model.logprobs import check_vocabulary
 from SimpleTorchLLMRL.model.lora import is_peft_model
-from SimpleTorchLLMRL.model.shared_prefix import PrefixPlan, first_positions, plan_shared_prefix
+from SimpleTorchLLMRL.model.scoring.head import check_vocabulary
+from SimpleTorchLLMRL.model.scoring.shared_prefix import PrefixPlan, first_positions, plan_shared_prefix
 from SimpleTorchLLMRL.trainer.losses import LossOutput, old_and_tis  # noqa: F401  (old_and_tis: its old import path)
 from SimpleTorchLLMRL.trainer.options import ComputeOptions, split_options  # noqa: F401  (their old import path)
 from SimpleTorchLLMRL.utils.warn import warn_user
@@ -172,7 +172,7 @@ class TrainBatch:
     metrics: the batch-level numbers of `prepare` (rewards, advantages, staleness).
     token_index: (N,) long `trained_index(mask)`, found once before any forward (`prepare`, `split`);
     None: the loss finds it (one host sync). prefix_plan: with `share_prefix`, which rows share their
-    prompt (`model.shared_prefix.plan_shared_prefix`), found before any forward likewise.
+    prompt (`model.scoring.shared_prefix.plan_shared_prefix`), found before any forward likewise.
     """
 
     batch: Batch

@@ -27,15 +27,10 @@ import torch
 from torch import nn
 
 from SimpleTorchLLMRL.chat.message import Rollout
-from SimpleTorchLLMRL.model.logprobs import (
-    final_hidden_states,
-    logit_softcap,
-    logprobs_from_hidden,
-    output_head,
-    scatter_positions,
-    token_logprobs,
-)
-from SimpleTorchLLMRL.model.shared_prefix import first_positions
+from SimpleTorchLLMRL.model.scoring.head import logit_softcap, output_head
+from SimpleTorchLLMRL.model.scoring.hidden import final_hidden_states
+from SimpleTorchLLMRL.model.scoring.logprobs import logprobs_from_hidden, scatter_positions, token_logprobs
+from SimpleTorchLLMRL.model.scoring.shared_prefix import first_positions
 from SimpleTorchLLMRL.trainer import advantages as A
 from SimpleTorchLLMRL.trainer.batch import (
     TrainBatch,

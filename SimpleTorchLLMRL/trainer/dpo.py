@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from SimpleTorchLLMRL.chat.message import Rollout
-from SimpleTorchLLMRL.model.logprobs import token_logprobs
+from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 from SimpleTorchLLMRL.trainer.batch import (
     TrainBatch,
     check_policy,

@@ -13,7 +13,7 @@ Legend: B rollouts, T tokens, N trained tokens of the batch, n of a chunk, H hid
 `loss` (a share of the full-batch loss), token means with `num_tokens`, min / max. They are a
 `LazyMetrics` of 0-dim tensors (nothing here waits for the device); reading one materializes them.
 
-On the GPU kernels the head runs in two passes (`model.logprobs._TwoPassHead`): chunked log-probs
+On the GPU kernels the head runs in two passes (`model.scoring.head_autograd._TwoPassHead`): chunked log-probs
 and entropy without autograd, then this loss once on the (N,) tensors with autograd, and the
 logits recomputed chunk by chunk in backward. On the "cpu" kernel, and with `fused=True`, the
 gradient is formed chunk by chunk in the forward instead (`fused_token_loss`: one logits pass
@@ -27,12 +27,8 @@ from typing import NamedTuple
 
 import torch
 
-from SimpleTorchLLMRL.model.logprobs import (
-    fused_token_loss,
-    logprobs_from_hidden,
-    resolve_head_impl,
-    supports_fused,
-)
+from SimpleTorchLLMRL.model.scoring.head import supports_fused
+from SimpleTorchLLMRL.model.scoring.logprobs import fused_token_loss, logprobs_from_hidden, resolve_head_impl
 from SimpleTorchLLMRL.trainer import advantages as A
 from SimpleTorchLLMRL.trainer.batch import TrainBatch
 from SimpleTorchLLMRL.trainer.combine import LazyMetrics
@@ -219,7 +215,7 @@ def grpo_loss(h: torch.Tensor, head, y: torch.Tensor, x: TokenInputs, config: GR
     on the "cpu" one (where the extra logits pass of the two-pass head costs more than a per-chunk
     loss graph: docs/benchmarks.md), two-pass on "gpu" / "triton" (where per-chunk launches and
     graphs are the cost). Same values either way.
-    head_impl: the chunk kernel of `model.logprobs`, "auto" | "cpu" | "gpu" | "triton".
+    head_impl: the chunk kernel of `model.scoring.logprobs`, "auto" | "cpu" | "gpu" | "triton".
     truncation: the (N,) top-k / top-p / min-p of y's draws (`chat.truncation.Truncation`), None: full softmax.
     """
     opts = dict(temperature=temperature, chunk_size=chunk_size, head_impl=head_impl, truncation=truncation)
@@ -271,7 +267,7 @@ def grpo_token_loss(*, logprobs: torch.Tensor, advantages: torch.Tensor, mask: t
                     entropy: torch.Tensor | None = None) -> LossOutput:
     """The GRPO family's loss on (B, T) log-prob tensors, the same math as `grpo_loss` without the head.
 
-    logprobs (B, T) with grad (e.g. `model.logprobs.token_logprobs(..., positions=mask)`);
+    logprobs (B, T) with grad (e.g. `model.scoring.logprobs.token_logprobs(..., positions=mask)`);
     advantages (B,); mask (B, T) 1 on trained tokens; old_logprobs (B, T) the trainer's before
     the update (None or NaN: on-policy, `logprobs` detached); sampler_logprobs (B, T) the
     generator's (NaN where unknown); ref_logprobs (B, T), needed when config.beta > 0;

@@ -17,7 +17,7 @@ import functools
 import inspect
 from dataclasses import dataclass, fields
 
-from SimpleTorchLLMRL.model.logprobs import DEFAULT_CHUNK_SIZE, HEAD_IMPLS
+from SimpleTorchLLMRL.model.scoring.logprobs import DEFAULT_CHUNK_SIZE, HEAD_IMPLS
 
 
 class _Unset:
@@ -43,13 +43,13 @@ class ComputeOptions:
 
     chunk_size: trained tokens scored per chunk of the output head (None: by kernel). head_impl: the
     chunk kernel, "auto" ("triton" on CUDA, "gpu" there without Triton, else "cpu": `resolve_head_impl`), "cpu",
-    "gpu" or "triton" (`model.logprobs`). fused:
+    "gpu" or "triton" (`model.scoring.logprobs`). fused:
     False: the two-pass head, chunked log-probs and entropy without autograd, the loss once on them, the
-    logits recomputed in backward (`model.logprobs._TwoPassHead`); True: a token-level loss (GRPO's, PPO's)
+    logits recomputed in backward (`model.scoring.head_autograd._TwoPassHead`); True: a token-level loss (GRPO's, PPO's)
     forms its gradient chunk by chunk in the forward (`fused_token_loss`) when the head allows (one logits
     pass less, an autograd graph per chunk); None (default): two-pass on the "gpu" / "triton" kernels, fused
     on "cpu" (`grpo_loss.grpo_loss`). Same values either way. share_prefix: the rows of a group run their shared
-    prompt once (`model.shared_prefix`; checked against the plain forward once per model).
+    prompt once (`model.scoring.shared_prefix`; checked against the plain forward once per model).
     max_length / truncate: as `encode_rollout`.
     """
 

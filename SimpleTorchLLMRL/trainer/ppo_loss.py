@@ -106,7 +106,7 @@ def ppo_loss(*, logprobs: torch.Tensor, mask: torch.Tensor, config: PPOConfig, n
     normalizer: the FULL batch's trained tokens; entropy: the `entropy` metric when given.
     index: `batch.trained_index(mask)` (N,), found before the forward (None: found here, one host sync).
     policy_loss: the policy term when the head already formed it chunk by chunk (PPO's `fused=True`,
-    `model.logprobs.fused_token_loss`); `logprobs` then only feed the metrics.
+    `model.scoring.logprobs.fused_token_loss`); `logprobs` then only feed the metrics.
     """
     for name, t in (("old_logprobs", old_logprobs), ("sampler_logprobs", sampler_logprobs),
                     ("ref_logprobs", ref_logprobs), ("values", values), ("old_values", old_values),

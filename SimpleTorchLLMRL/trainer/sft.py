@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from SimpleTorchLLMRL.chat.message import Rollout
-from SimpleTorchLLMRL.model.logprobs import check_vocabulary, token_logprobs
+from SimpleTorchLLMRL.model.scoring.head import check_vocabulary
+from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 from SimpleTorchLLMRL.trainer.batch import (
     TrainBatch,
     encode,
@@ -47,7 +48,7 @@ def sft_loss(*, logprobs: torch.Tensor, mask: torch.Tensor, aggregate: str = "to
              normalizer: float | None = None) -> LossOutput:
     """Cross-entropy -sum_t w_t log p(y_t) of the trained tokens; `LossOutput(loss, metrics, logprobs detached)`.
 
-    logprobs (B, T): log-probs of input_ids with grad (`model.logprobs.token_logprobs`, at
+    logprobs (B, T): log-probs of input_ids with grad (`model.scoring.logprobs.token_logprobs`, at
     temperature 1); mask (B, T): 1 on trained tokens. aggregate / normalizer: the weights w of
     `losses.aggregation_weights` ("token_mean": the mean NLL per token; pass the FULL batch's
     token count as normalizer when micro-batching). Metrics: loss, nll (token mean), num_tokens,

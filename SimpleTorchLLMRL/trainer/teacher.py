@@ -6,9 +6,9 @@ holding the teacher's log p(input_ids[:, t] | input_ids[:, :t]) on the trained t
 Three sources, one result:
 
 - an HF model: `hf_teacher_logprobs`, through the chunked head the trainer uses
-  (`model.logprobs.token_logprobs`, under `torch.no_grad`; never (B, T, V));
+  (`model.scoring.logprobs.token_logprobs`, under `torch.no_grad`; never (B, T, V));
 - a vLLM engine: `vllm_teacher_logprobs`, one prefill per rollout with `prompt_logprobs=0`
-  (as `model/vllm.py` scores a grammar's tokens); vLLM computes them from the untempered logits,
+  (as `model/generation/vllm.py` scores a grammar's tokens); vLLM computes them from the untempered logits,
   so this source is temperature 1 only;
 - precomputed on the rollout: `rollout_teacher_logprobs` reads
   `rollout.metadata["teacher_logprobs"]`, a list with one entry per message: None, or the
@@ -29,7 +29,8 @@ import torch
 
 from SimpleTorchLLMRL.chat.message import Rollout
 from SimpleTorchLLMRL.chat.tokenize import Batch, rollouts_to_batch
-from SimpleTorchLLMRL.model.logprobs import DEFAULT_CHUNK_SIZE, check_vocabulary, token_logprobs
+from SimpleTorchLLMRL.model.scoring.head import check_vocabulary
+from SimpleTorchLLMRL.model.scoring.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
 
 METADATA_KEY = "teacher_logprobs"
 
@@ -88,7 +89,7 @@ def vllm_teacher_logprobs(llm, batch: Batch, mask: torch.Tensor, *, lora_request
     One request per rollout: its ids as the prompt, `SamplingParams(max_tokens=1, prompt_logprobs=0)`;
     vLLM returns, for each prompt token after the first, a {id: Logprob} dict holding that id.
     """
-    from SimpleTorchLLMRL.model.vllm_engine import import_vllm
+    from SimpleTorchLLMRL.model.generation.vllm_engine import import_vllm
 
     vllm = import_vllm()
     from vllm.inputs import TokensPrompt

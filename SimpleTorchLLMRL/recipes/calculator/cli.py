@@ -274,7 +274,7 @@ def body_kernels(model, args: argparse.Namespace) -> str:
     into args, and so into checkpoints). "on" that cannot be honoured raises UsageError; "auto" falls back."""
     if args.liger == "off" or args.device != "cuda":
         return "off"
-    from SimpleTorchLLMRL.model.liger import apply_liger_kernels
+    from SimpleTorchLLMRL.model.scoring.liger import apply_liger_kernels
 
     try:
         apply_liger_kernels(model)

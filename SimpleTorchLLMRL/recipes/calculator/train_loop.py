@@ -49,8 +49,8 @@ class Sampler:
         self.adapter = adapter
         self.engine = None
         self.lora_request = None
-        if backend == "vllm":  # settings from one place (model/vllm_engine.py); engine_kwargs win
-            from SimpleTorchLLMRL.model.vllm_engine import make_llm
+        if backend == "vllm":  # settings from one place (model/generation/vllm_engine.py); engine_kwargs win
+            from SimpleTorchLLMRL.model.generation.vllm_engine import make_llm
 
             self.engine = make_llm(model_name, temperature=temperature, dtype=dtype,
                                    **{"enable_lora": adapter, **(engine_kwargs or {})})

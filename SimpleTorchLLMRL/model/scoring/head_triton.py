@@ -134,7 +134,7 @@ def row_stats(z: torch.Tensor, y: torch.Tensor, inv_temp: float, cut: torch.Tens
     """z (n, V) logits (row-contiguous), y (n,) -> logp (n,), entropy (n,), logsumexp (n,), all float32.
 
     Everything is of the logits times inv_temp; cut (n,) float32 | None: only entries with
-    z * inv_temp >= cut count (the truncated distribution, `model/truncation.py`).
+    z * inv_temp >= cut count (the truncated distribution, `model/scoring/truncation.py`).
     """
     if z.stride(1) != 1:
         raise ValueError("row_stats needs logits whose rows are contiguous")

@@ -13,7 +13,7 @@ logit_bias / frequency / presence penalties, which shift the logits the draw is 
 none of those records the log-prob under the truncated, renormalized distribution it was drawn from
 (`SamplingConfig.records_truncated`). Greedy takes the argmax. Sampling draws by inverse CDF, one
 uniform per row (`inverse_cdf_sample`), from softmax(logits / T) or from its kept set
-(`model/truncation.py`: min-p, top-k, top-p in vLLM's order). HF's own sampling is `torch.multinomial`, an exponential race whose CPU
+(`model/scoring/truncation.py`: min-p, top-k, top-p in vLLM's order). HF's own sampling is `torch.multinomial`, an exponential race whose CPU
 RNG costs ~18 ns per vocabulary entry (187 ms per step at B=64, V=151,936); the (B, V) temporaries
 live in one buffer reused across steps. Under `generate` the picker is the only logits processor and
 returns scores whose argmax is its token (`generate` runs greedy). The model's own generation-config
@@ -32,10 +32,16 @@ from collections.abc import Sequence
 
 import torch
 
-from SimpleTorchLLMRL.model.logprobs import check_vocabulary, model_vocab_size
-from SimpleTorchLLMRL.model.picker import TokenPicker, checked_mass
-from SimpleTorchLLMRL.model.sampling import Sample, SamplingConfig, cut_sample, find_stop, stop_window
-from SimpleTorchLLMRL.model.shared_prefix import forward_last_logits, prefix_groups
+from SimpleTorchLLMRL.model.generation.picker import TokenPicker, checked_mass
+from SimpleTorchLLMRL.model.generation.sampling import (
+    Sample,
+    SamplingConfig,
+    cut_sample,
+    find_stop,
+    stop_window,
+)
+from SimpleTorchLLMRL.model.scoring.head import check_vocabulary, model_vocab_size
+from SimpleTorchLLMRL.model.scoring.shared_prefix import forward_last_logits, prefix_groups
 
 
 class _Picker:
@@ -156,7 +162,7 @@ class HFBackend:
     def generate(self, prompts: list[list[int]], n: int, seed: int | None, *, sampling: SamplingConfig,
                  adapter: str | None = None, watch=None) -> list[list[Sample]]:
         """`n` samples per prompt under `sampling` (this call's settings, never stored); `adapter`: with
-        that LoRA adapter of a multi-adapter peft model active; `watch`: a `model.watch.DecodeWatch`."""
+        that LoRA adapter of a multi-adapter peft model active; `watch`: a `model.generation.watch.DecodeWatch`."""
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         sampling.check_vocabulary(model_vocab_size(self.model))
@@ -190,7 +196,7 @@ class HFBackend:
     @functools.cached_property
     def fast_ok(self) -> bool:
         """Whether the model can take the fast decode (asked once, and only where it may be used)."""
-        from SimpleTorchLLMRL.model.fast_decode import supports_fast_decode
+        from SimpleTorchLLMRL.model.generation.fast_decode import supports_fast_decode
 
         return supports_fast_decode(self.model)
 
@@ -223,7 +229,7 @@ class HFBackend:
                      adapter: str | None, watch=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, n) ids and log-probs from the static-cache decoder of this shape (built, or reused from an
         earlier call on this model: one per model, `fast_decode.DECODERS`)."""
-        from SimpleTorchLLMRL.model.fast_decode import (
+        from SimpleTorchLLMRL.model.generation.fast_decode import (
             CHECK_EVERY,
             DECODERS,
             StaticDecoder,
@@ -261,7 +267,7 @@ class HFBackend:
         B, L = input_ids.shape
         matchers = None
         if cfg.grammar is not None:
-            from SimpleTorchLLMRL.model.constrain import RowMatchers
+            from SimpleTorchLLMRL.model.generation.constrain import RowMatchers
 
             matchers = RowMatchers(self.tokenizer, cfg.grammar, B, cfg.eos_token_ids)
         picker = _Picker(cfg, matchers)
@@ -312,7 +318,7 @@ class HFBackend:
 
     def sleep(self, level: int = 1) -> None:
         """Free the fast decode's KV cache and CUDA graph (rebuilt at the next call)."""
-        from SimpleTorchLLMRL.model.fast_decode import DECODERS
+        from SimpleTorchLLMRL.model.generation.fast_decode import DECODERS
 
         DECODERS.pop(self.model, None)
 

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from SimpleTorchLLMRL.model.picker import mass_error
+from SimpleTorchLLMRL.model.generation.picker import mass_error
 
 SLOT_ROUND = 64  # cache slots are rounded up to a multiple of this, so calls with similar lengths share a graph
 CHECK_EVERY = 16  # decode steps between checks for "every row has ended" (one host sync each)
@@ -149,7 +149,7 @@ class StaticDecoder:
         """input_ids, attention_mask (B, L) left-padded -> ids (B, n), log-probs (B, n), n <= new_tokens.
 
         `row_stopped(ids of some rows so far)` says which of them a stop string ended (None: EOS only);
-        `watch` (a `model.watch.DecodeWatch`, or None): gets the new ids at each host check (every
+        `watch` (a `model.generation.watch.DecodeWatch`, or None): gets the new ids at each host check (every
         STREAM_EVERY steps when it streams), and the rows it cancels count as ended. `use_picker` first."""
         B, L = input_ids.shape
         if L + new_tokens > self.S or B != self.B:
@@ -168,7 +168,7 @@ class StaticDecoder:
 
     def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         """The prompts into slots 0..L-1; the buffers set for step 0."""
-        from SimpleTorchLLMRL.model.shared_prefix import forward_last_logits
+        from SimpleTorchLLMRL.model.scoring.shared_prefix import forward_last_logits
 
         B, L = input_ids.shape
         self.cache.reset()

@@ -13,8 +13,8 @@ vLLM's order: min-p, then top-k, then top-p on what those two kept, renormalized
   set whose mass reaches top_p, as HF and vLLM); tokens tied with a kept one are kept too, where
   HF and vLLM break such a tie by their sort's order.
 
-The sampler (`model/picker.py`) draws from exactly this set and records log p_trunc(y) =
-z_y - logsumexp over the kept set; the heads (`model/head_kernels.py`, `model/head_triton.py`,
+The sampler (`model/generation/picker.py`) draws from exactly this set and records log p_trunc(y) =
+z_y - logsumexp over the kept set; the heads (`model/scoring/head_kernels.py`, `model/scoring/head_triton.py`,
 the checkpointed generic head) score with the same function, so the two agree up to the logits'
 own rounding. Scoring also keeps the scored token itself (`cut <= z_y`): logits recomputed in
 another kernel may place a sampled token a rounding error below its cut, which would otherwise

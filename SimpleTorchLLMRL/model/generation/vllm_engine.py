@@ -9,7 +9,7 @@ Legend: K probe tokens.
 Settings (`make_llm`): `dtype` "float32" on the CPU build (vLLM would otherwise downcast a float32
 checkpoint to bf16; main.py passes its --dtype), "auto" on a GPU, `max_num_batched_tokens` large enough that a
 prompt's prefill is never split (the CPU build's seeded sampler fails on split prefills), the
-`logprobs_mode` that gives the recorded log-probs (`model/vllm.py`), `seed=0`. On the CPU build
+`logprobs_mode` that gives the recorded log-probs (`model/generation/vllm.py`), `seed=0`. On the CPU build
 the environment variables it needs are set when absent, at `make_llm` time (never at import):
 `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache; default 1: the engine otherwise asks for 92% of the
 machine's memory and refuses to start) and `VLLM_ENABLE_V1_MULTIPROCESSING=0` (the engine in this
@@ -170,7 +170,7 @@ def probe_ids(tokenizer, length: int = 32) -> list[int]:
 @torch.no_grad()
 def trainer_probe(model, ids: list[int]) -> torch.Tensor:
     """The trainer's log-probs of ids[1:], (K,) float64, in eval mode (restored after): no dropout."""
-    from SimpleTorchLLMRL.model.logprobs import token_logprobs
+    from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 
     was_training = model.training
     model.eval()

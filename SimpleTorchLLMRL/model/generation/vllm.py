@@ -13,7 +13,7 @@ and for a truncated draw that nothing else shaped (`SamplingConfig.records_trunc
 under the truncated, renormalized distribution, so:
 
     top-k/top-p/min-p, no bias etc. -> "processed_logprobs" is exact (any temperature): what the
-                                       trainer scores such a turn under (`model/truncation.py`)
+                                       trainer scores such a turn under (`model/scoring/truncation.py`)
     temperature == 1, no truncation -> "raw_logprobs" is exact (any bias, penalties)
     no truncation                   -> "processed_logprobs" is exact (any temperature), unless
                                        logit_bias or a penalty is set
@@ -35,13 +35,13 @@ second, prefill-only pass over prompt + completion (`prompt_logprobs=0`), which 
 computes from the raw logits: exact at temperature 1 (and greedy, recorded at 1); a
 grammar with another temperature is refused with a ValueError.
 
-A call with a `watch` (streaming, hang-ups) steps the engine itself (`model/vllm_stream.py`): the same
+A call with a `watch` (streaming, hang-ups) steps the engine itself (`model/generation/vllm_stream.py`): the same
 requests as `LLM.generate`, each row's ids reported as the engine samples them, cancelled rows aborted.
 
 Weight sync (`push_weights`) hands HF checkpoint names (built by
-`model/weight_sync.py`: peft prefixes stripped, LoRA deltas merged into new
+`model/generation/weight_sync.py`: peft prefixes stripped, LoRA deltas merged into new
 tensors, the training model never modified) to the workers' `reload_weights`
-(`model/vllm_engine.py`), in-process or multi-process, then checks that the
+(`model/generation/vllm_engine.py`), in-process or multi-process, then checks that the
 engine's log-probs of a short probe match the trainer's (`check_agreement`;
 `WeightSyncError` when they do not). Engine settings live in
 `vllm_engine.make_llm`; a model path given to `ModelGenerate` goes through it.
@@ -56,8 +56,8 @@ from collections.abc import Iterable
 
 import torch
 
-from SimpleTorchLLMRL.model.sampling import Sample, SamplingConfig
-from SimpleTorchLLMRL.model.vllm_engine import (
+from SimpleTorchLLMRL.model.generation.sampling import Sample, SamplingConfig
+from SimpleTorchLLMRL.model.generation.vllm_engine import (
     compare_probe,
     engine_model_config,
     import_vllm,
@@ -177,7 +177,7 @@ class VLLMBackend:
                  adapter: str | list[str | None] | None = None, watch=None) -> list[list[Sample]]:
         """`n` samples per prompt under `sampling` (this call's settings, never stored; refused when this
         engine's log-probs mode cannot record them); `adapter`: a pushed adapter's name, or one name (or
-        None) per prompt. `watch` (a `model.watch.DecodeWatch`): the engine is stepped here instead of
+        None) per prompt. `watch` (a `model.generation.watch.DecodeWatch`): the engine is stepped here instead of
         `LLM.generate` (`vllm_stream.step_watched`), each row's ids reach the watch as they are sampled and
         the rows it cancels are aborted; the samples are the ones `LLM.generate` gives for the same seed."""
         from vllm.inputs import TokensPrompt
@@ -204,7 +204,7 @@ class VLLMBackend:
             samples = [self._sample(c, sampling) for out in outputs
                        for c in sorted(out.outputs, key=lambda c: c.index)]
         else:  # the engine stepped here: ids to the watch as they come, given-up rows aborted
-            from SimpleTorchLLMRL.model.vllm_stream import step_watched
+            from SimpleTorchLLMRL.model.generation.vllm_stream import step_watched
 
             rows = step_watched(self.llm, requests, params, lora, per_request, watch)
             samples = [self._sample(r.output, sampling) if r.given_up_at is None else self._given_up(r)
@@ -286,7 +286,7 @@ class VLLMBackend:
         """Save the adapter to a fresh directory and return a LoRARequest with a new id (vLLM caches by id)."""
         from vllm.lora.request import LoRARequest
 
-        from SimpleTorchLLMRL.model.weight_sync import export_adapter
+        from SimpleTorchLLMRL.model.generation.weight_sync import export_adapter
 
         old, self._adapter_dir = self._adapter_dir, tempfile.mkdtemp(prefix="stllmrl-lora-")
         path = export_adapter(model, self._adapter_dir)
@@ -299,7 +299,7 @@ class VLLMBackend:
         """Adapter `name` to a fresh directory, served as LoRARequest(name, new id, dir) (vLLM caches by id)."""
         from vllm.lora.request import LoRARequest
 
-        from SimpleTorchLLMRL.model.weight_sync import export_adapter
+        from SimpleTorchLLMRL.model.generation.weight_sync import export_adapter
 
         old = self._adapter_dirs.get(name)
         self._adapter_dirs[name] = tempfile.mkdtemp(prefix=f"stllmrl-lora-{name}-")
@@ -348,7 +348,7 @@ def push_weights(llm, model) -> None:
     tensors (the training model is never modified; FSDP2 is gathered to rank 0, where the other
     ranks get nothing to load; a 4-bit base is refused: push the adapter instead).
     """
-    from SimpleTorchLLMRL.model.weight_sync import vllm_weights
+    from SimpleTorchLLMRL.model.generation.weight_sync import vllm_weights
 
     weights = vllm_weights(model)
     if weights:

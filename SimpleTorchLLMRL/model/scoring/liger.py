@@ -1,9 +1,9 @@
 """Liger-Kernel's fused Triton kernels in the model body: RMSNorm, SwiGLU MLP, rotary embeddings.
 
-    from SimpleTorchLLMRL.model.liger import apply_liger_kernels
+    from SimpleTorchLLMRL.model.scoring.liger import apply_liger_kernels
     model = apply_liger_kernels(model)  # before training; CUDA only
 
-The body is where most of a step's time goes once the head is chunked (`model.logprobs`); the
+The body is where most of a step's time goes once the head is chunked (`model.scoring.logprobs`); the
 HF body runs each RMSNorm, SwiGLU and RoPE as several elementwise kernels. Liger-Kernel
 (`pip install 'SimpleTorchLLMRL[liger]'`) fuses each into one, as `TRL(use_liger_kernel=True)`
 does. Only the body is patched: the output head and the loss stay ours, so every trainer,
@@ -15,12 +15,12 @@ Liger patches the model's modules in place and, for RoPE, the function in the mo
 
 from __future__ import annotations
 
-from SimpleTorchLLMRL.model.logprobs import _unwrap
+from SimpleTorchLLMRL.model.scoring.head import unwrap
 
 
 def _base_model(model):
     """peft / DDP / compile wrappers -> the transformers model that Liger knows by `config.model_type`."""
-    model = _unwrap(model)
+    model = unwrap(model)
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
 

@@ -7,11 +7,11 @@ Per-token tensors are (B, T) and ALIGNED WITH input_ids:
 predicts the first token), so they line up with `loss_mask` and `sampler_logprobs`.
 
 A full (B, T, V) float32 log-softmax is never built. The model runs once to
-its final hidden states (`output_hidden_states=True, logits_to_keep=1`, so the
-model's own head only scores the last position), then the output embedding
-scores chunks of `chunk_size` positions at a time:
+its final hidden states (`hidden.final_hidden_states`: `output_hidden_states=True,
+logits_to_keep=1`, so the model's own head only scores the last position), then the
+output embedding (`head`) scores chunks of `chunk_size` positions at a time:
 
-- plain `nn.Linear` head: two passes around one autograd node (`head_kernels._TwoPassHead`).
+- plain `nn.Linear` head: two passes around one autograd node (`head_autograd._TwoPassHead`).
   Pass 1 keeps only per-token float32 statistics (log p(y), entropy, logsumexp); the
   caller's loss runs once on the (N,) log-probs and entropy with autograd; pass 2
   (backward) recomputes one chunk of logits at a time into dL/dz from dL/dlogp and
@@ -46,41 +46,25 @@ The entropy has a gradient (an entropy term in a loss trains through it).
 
 truncation (a `chat.truncation.Truncation`, per token): tokens that the sampler drew with top-k /
 top-p / min-p are scored under that same truncated, renormalized distribution, log p_trunc(y) =
-z_y / T - logsumexp over the kept set, on every kernel and path, with gradient (`model/truncation.py`;
+z_y / T - logsumexp over the kept set, on every kernel and path, with gradient (`truncation`;
 entropy is then the truncated distribution's too). None (the default): the full softmax.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from SimpleTorchLLMRL.model import head_triton
-from SimpleTorchLLMRL.model.head_kernels import (  # noqa: F401  (the kernels' names stay importable from here)
-    _F32_OUT,
-    _chunks,
-    _DeviceChunks,
-    _FusedTokenLoss,
-    _LinearChunks,
-    _TritonChunks,
-    _TwoPassHead,
-)
-from SimpleTorchLLMRL.model.shared_prefix import (
-    PrefixPlan,
-    causal_mask_4d,
-    check_shared_prefix,
-    first_positions,
-    forward_last_logits,
-    last_hidden,
-    plan_shared_prefix,
-    shared_prefix_hidden_states,
-)
-from SimpleTorchLLMRL.model.truncation import apply_cut, keep_threshold
-from SimpleTorchLLMRL.utils.warn import warn_user
+from SimpleTorchLLMRL.model.scoring import head_triton
+from SimpleTorchLLMRL.model.scoring.head import head_logits, logit_softcap, output_head, supports_fused
+from SimpleTorchLLMRL.model.scoring.head_autograd import _FusedTokenLoss, _TwoPassHead
+from SimpleTorchLLMRL.model.scoring.head_kernels import _chunks, _DeviceChunks, _LinearChunks, _TritonChunks
+from SimpleTorchLLMRL.model.scoring.hidden import final_hidden_states
+from SimpleTorchLLMRL.model.scoring.shared_prefix import first_positions
+from SimpleTorchLLMRL.model.scoring.truncation import apply_cut, keep_threshold
 
 DEFAULT_CHUNK_SIZE = None  # None: 512 tokens on the "cpu" kernel, GPU_CHUNK_BYTES of logits on "gpu" / "triton"
 CPU_CHUNK_SIZE = 512
@@ -90,7 +74,6 @@ CPU_CHUNK_SIZE = 512
 # one read-modify-write of the float32 weight gradient).
 GPU_CHUNK_BYTES = 512 * 2**20
 HEAD_IMPLS = ("auto", "cpu", "gpu", "triton")
-_VERIFIED: weakref.WeakSet = weakref.WeakSet()  # models whose head was checked once
 
 
 class TokenLogProbs(NamedTuple):
@@ -99,137 +82,6 @@ class TokenLogProbs(NamedTuple):
     logprobs: torch.Tensor  # (B, T) float32
     entropy: torch.Tensor | None  # (B, T) float32, detached
     hidden_states: torch.Tensor | None  # (B, T, H) final hidden states (after the final norm)
-
-
-def _unwrap(model):
-    """DDP / torch.compile wrappers -> the module that has `config` and the output embedding."""
-    while hasattr(model, "module") and not hasattr(model, "get_output_embeddings"):
-        model = model.module
-    return getattr(model, "_orig_mod", model)
-
-
-def output_head(model) -> nn.Module:
-    """The output embedding (lm_head) of a causal LM, peft-wrapped or not."""
-    head = _unwrap(model).get_output_embeddings()
-    if head is None:
-        raise ValueError(f"{type(model).__name__} has no output embedding (get_output_embeddings() is None)")
-    return head
-
-
-def model_vocab_size(model) -> int | None:
-    """Rows of the output head (the ids the model can score), None when the model has no readable head."""
-    try:
-        head = output_head(model)
-    except (AttributeError, ValueError):
-        return None
-    weight = getattr(head, "weight", None)
-    return int(weight.shape[0]) if weight is not None and weight.dim() == 2 else None
-
-
-def check_vocabulary(model, tokenizer) -> None:
-    """A tokenizer with more ids than the model scores is an error; a much smaller one is a warning.
-
-    Models often pad their embedding past the tokenizer (Qwen2.5: 151,936 rows for 151,665
-    tokens), so a small surplus is normal; a surplus of more than max(2048, 5%) usually means
-    the tokenizer belongs to another model, whose ids mean other words to this one.
-    """
-    n_model, n_tok = model_vocab_size(model), len(tokenizer) if hasattr(tokenizer, "__len__") else None
-    if n_model is None or n_tok is None:
-        return
-    if n_tok > n_model:
-        raise ValueError(f"the tokenizer has {n_tok} tokens but the model scores only {n_model}: ids >= {n_model} "
-                         "would index past its embedding. Use the model's own tokenizer, or after adding "
-                         "tokens call model.resize_token_embeddings(len(tokenizer)).")
-    if n_model - n_tok > max(2048, n_tok // 20):
-        warn_user(f"the model scores {n_model} token ids but the tokenizer has only {n_tok}: is it the model's own "
-                  "tokenizer? A tokenizer of another model maps its ids to other words (this is a warning only "
-                  "because some models pad their embedding generously).")
-
-
-def logit_softcap(model) -> float | None:
-    """`final_logit_softcapping` of Gemma-2-style configs, else None."""
-    config = getattr(_unwrap(model), "config", None)
-    cap = getattr(config, "final_logit_softcapping", None)
-    return float(cap) if cap else None
-
-
-def final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                        verify: bool = True, start: torch.Tensor | None = None, *,
-                        prefix_plan: PrefixPlan | None = None, right_padded: bool = False) -> torch.Tensor:
-    """(B, T, H) hidden states that the model's output embedding turns into logits.
-
-    One forward through the whole model (so DDP / FSDP / peft hooks run) with
-    `logits_to_keep=1`: the model's own head scores only the last position,
-    which also lets us check once per model that `head(hidden_states[-1])`
-    really are its logits (a model that post-processes logits otherwise
-    raises instead of silently giving wrong log-probs).
-
-    start (B,) long, with a right-padded attention_mask: only positions >= start are
-    needed, so rows with identical tokens before `start` run that prefix once
-    (`shared_prefix`); positions before `start` are then 0. Checked once per model
-    against the plain forward. prefix_plan: `plan_shared_prefix(input_ids, attention_mask,
-    start)` found before the forward (else found here, which waits for the device).
-    right_padded: the batch is right-padded (a `Batch` is), so the plain forward takes a causal
-    mask that HF does not read for padding (`right_padded_attention`: no host sync).
-    """
-    if prefix_plan is None and start is not None and attention_mask is not None:
-        prefix_plan = plan_shared_prefix(input_ids, attention_mask, start)
-    if prefix_plan is not None and prefix_plan.group is not None:
-        if verify:
-            check_shared_prefix(model, input_ids, attention_mask, prefix_plan.start)
-        shared = shared_prefix_hidden_states(model, input_ids, attention_mask, prefix_plan.start, plan=prefix_plan)
-        if shared is not None:
-            hidden, out = shared
-            _maybe_verify_head(model, out, verify)  # against the suffix forward's own last position
-            return hidden
-    mask = right_padded_attention(model, attention_mask) if right_padded else attention_mask
-    out = forward_last_logits(model, input_ids=input_ids, attention_mask=mask, output_hidden_states=True,
-                              use_cache=False)
-    _maybe_verify_head(model, out, verify)
-    return last_hidden(out)
-
-
-def right_padded_attention(model, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """What to pass as `attention_mask` for a RIGHT-padded batch so that the forward never waits for the device.
-
-    Padding sits after every real token, so causality alone keeps it out of every real position
-    (padded positions get other hidden states, which nobody scores). HF reads a 2D mask for
-    padding, and without one the position ids for packing, with a host sync in each forward; a
-    4D mask it uses as given. So this is a (1, 1, T, T) causal mask (`shared_prefix.causal_mask_4d`)
-    where the model's attention takes one, else the 2D mask as it is.
-    """
-    if attention_mask is None or attention_mask.dim() != 2:
-        return attention_mask
-    causal = causal_mask_4d(_unwrap(model), attention_mask.new_ones(1, attention_mask.shape[1]))
-    return attention_mask if causal is None else causal
-
-
-def _maybe_verify_head(model, out, verify: bool) -> None:
-    logits = getattr(out, "logits", None)
-    if verify and logits is not None and _unwrap(model) not in _VERIFIED:
-        _verify_head(model, last_hidden(out), logits)
-
-
-def _verify_head(model, hidden: torch.Tensor, logits: torch.Tensor) -> None:
-    with torch.no_grad():
-        mine = _head_logits(output_head(model), hidden[:, -1:], logit_softcap(model))  # (B, 1, V)
-        theirs = logits[:, -1:].float()
-        tol = 1e-4 if theirs.dtype == torch.float32 and hidden.dtype == torch.float32 else 5e-2
-        if mine.shape != theirs.shape or not torch.allclose(mine, theirs, atol=tol * (1 + theirs.abs().max()), rtol=0):
-            raise ValueError(
-                f"{type(model).__name__}: output_embeddings(hidden_states[-1]) does not reproduce the model's "
-                "logits (it post-processes them in a way token_logprobs does not know); chunked log-probs "
-                "would be wrong for this model"
-            )
-    _VERIFIED.add(_unwrap(model))
-
-
-def _head_logits(head: nn.Module, h: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """(..., H) -> (..., V) float32 logits, soft-capped like the model does."""
-    z = head(h).float()
-    if softcap:
-        z = softcap * torch.tanh(z / softcap)
-    return z
 
 
 def resolve_head_impl(impl: str, device: torch.device) -> str:
@@ -260,7 +112,7 @@ def _chunk_tokens(kernel, chunk_size: int | None, vocab: int) -> int:
 
 def _generic_chunk(head, softcap, inv_temp):
     def run(hc, yc, trunc=None):
-        z = _head_logits(head, hc, softcap) * inv_temp  # (n, V)
+        z = head_logits(head, hc, softcap) * inv_temp  # (n, V)
         if trunc is not None:  # the kept set's threshold is piecewise constant in z: no gradient through it
             z = apply_cut(z, keep_threshold(z, trunc, yc))
         lse = torch.logsumexp(z, dim=-1)
@@ -270,11 +122,6 @@ def _generic_chunk(head, softcap, inv_temp):
         return logp, ent
 
     return run
-
-
-def supports_fused(head: nn.Module, softcap: float | None = None) -> bool:
-    """True for a plain `nn.Linear` head without logit soft-capping (the custom autograd paths)."""
-    return type(head) is nn.Linear and type(head.weight.data) is torch.Tensor and not softcap
 
 
 def _check(temperature: float, chunk_size: int | None, head_impl: str = "auto") -> float:

@@ -7,15 +7,15 @@ graph), so under one seed they draw the same ids. Sampling is by inverse CDF, on
 per row from torch's RNG (`inverse_cdf_sample`). logit_bias and frequency / presence penalties
 (`LogitShift`) are one (B, V) offset added to the raw scores before temperature, top-k and top-p,
 updated in place after each pick (no host sync, graph-safe); with none of them set, no op is added.
-Top-k / top-p / min-p keep the set that `model/truncation.py` defines (the one the trainer scores under).
+Top-k / top-p / min-p keep the set that `model/scoring/truncation.py` defines (the one the trainer scores under).
 """
 
 from __future__ import annotations
 
 import torch
 
-from SimpleTorchLLMRL.model.sampling import SamplingConfig
-from SimpleTorchLLMRL.model.truncation import keep_threshold, kept_probs, row_truncation
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
+from SimpleTorchLLMRL.model.scoring.truncation import keep_threshold, kept_probs, row_truncation
 
 BLOCK = 1024  # vocabulary entries per first-level block of the inverse CDF
 
@@ -96,7 +96,7 @@ class TokenPicker:
     truncated and nothing else shaped it (`SamplingConfig.records_truncated`): then it is the log-prob
     under the truncated, renormalized distribution the token was drawn from. Greedy: the argmax.
     Sampling: `inverse_cdf_sample` (one uniform per row) from softmax(scores / T), or from its kept
-    set under top-k / top-p / min-p (`model/truncation.py`); `mass` is the sampled distribution's
+    set under top-k / top-p / min-p (`model/scoring/truncation.py`); `mass` is the sampled distribution's
     unnormalized total, for `unsampleable`.
     """
 

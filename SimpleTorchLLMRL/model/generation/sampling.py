@@ -78,11 +78,11 @@ class SamplingConfig:
     Bias and penalties shape the logits before temperature, top-k and top-p; the recorded log-probs stay
     log_softmax(raw logits / T) (`distribution_changes` says what the draw differed by).
     min_p (in [0, 1], 0 disables): keep the tokens whose probability is >= min_p times the top one's.
-    Top-k / top-p / min-p keep one set (`model/truncation.py`); when nothing else shaped the draw
+    Top-k / top-p / min-p keep one set (`model/scoring/truncation.py`); when nothing else shaped the draw
     (`records_truncated`) the recorded log-probs are under that truncated, renormalized distribution,
     the one the trainer scores such a turn under (docs/generation.md).
     grammar: text in xgrammar's EBNF dialect (start rule `root`) that every completion must match
-    (constrained decoding, `model/constrain.py`; None: unconstrained). Recorded log-probs stay those
+    (constrained decoding, `model/generation/constrain.py`; None: unconstrained). Recorded log-probs stay those
     of the raw logits / T, before the grammar's mask; `distribution_changes` records the grammar.
     """
 
@@ -124,7 +124,7 @@ class SamplingConfig:
         if self.grammar is not None:
             if not isinstance(self.grammar, str) or not self.grammar.strip():
                 raise ValueError(f"grammar must be None or EBNF text with a `root` rule, got {self.grammar!r:.80}")
-            from SimpleTorchLLMRL.model.constrain import check_grammar
+            from SimpleTorchLLMRL.model.generation.constrain import check_grammar
 
             check_grammar(self.grammar)
 
