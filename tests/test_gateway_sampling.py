@@ -186,7 +186,7 @@ def test_a_request_with_min_p_is_sampled_and_recorded_with_it(calc):
     on the MODEL message as `sampling`, and the trainer scores the turn as sampled: its log-probs under the
     recorded min-p cut equal the recorded ones (1e-5), and differ from the full softmax's."""
     from SimpleTorchLLMRL.chat.tokenize import rollouts_to_batch
-    from SimpleTorchLLMRL.model.logprobs import token_logprobs
+    from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 
     model, tok = calc
     gw = Gateway(ModelGenerate(model, tok, seed=0, decode="default", **DEFAULTS), window=0.01)

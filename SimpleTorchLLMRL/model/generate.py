@@ -15,8 +15,8 @@ Greedy decoding (`do_sample=False`) records log-probs at the configured
 temperature; `temperature=0` means greedy with log-probs at temperature 1.
 
 Backends share one small interface (`sampling.Backend`): the HF one is in
-`model/hf_backend.py`, the vLLM one in `model/vllm.py`; both import their shared
-types from `model/sampling.py`, never from here.
+`model/generation/hf_backend.py`, the vLLM one in `model/generation/vllm.py`; both import their shared
+types from `model/generation/sampling.py`, never from here.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class ModelGenerate:
     model: an HF causal LM (peft models too), a `vllm.LLM`, or with `backend="vllm"` a model path.
     sampling: the sampling options as one `SamplingConfig` (max_new_tokens, temperature, do_sample,
     top_p, top_k, min_p, stop, tool_call_stop, eos_token_ids; logit_bias, frequency_penalty, presence_penalty
-    and grammar (EBNF every completion must match, `model/constrain.py`) only there); the others are also
+    and grammar (EBNF every completion must match, `model/generation/constrain.py`) only there); the others are also
     keyword arguments (give one or the other). min_p: keep the tokens whose probability is >= min_p times the
     top one's (0 disables; vLLM's and HF's min_p). stop: stop strings (kept in text and ids); tool_call_stop: stop strings that end the turn with
     finish_reason "tool_call" (e.g. "</tool_call>"). eos_token_ids: ids that end a turn (default:
@@ -231,7 +231,7 @@ class ModelGenerate:
         prompt_ids: the rollouts' prompts already encoded with `chat.tokenize.encode_prompt` (one list
         per rollout; the gateway encodes each prompt once), sampled from as they are.
         watch: a `DecodeWatch` that receives each row's ids as they are sampled (streaming) and may
-        cancel rows (row i * n + j is rollout i's j-th sample; `model/watch.py`).
+        cancel rows (row i * n + j is rollout i's j-th sample; `model/generation/watch.py`).
         Calls are not reentrant: one generation at a time per generator.
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
