@@ -17,8 +17,8 @@ def restore_qwen2(monkeypatch):
         monkeypatch.setattr(modeling_qwen2, name, getattr(modeling_qwen2, name))
 
 
-def _args(liger: str, device: str) -> argparse.Namespace:
-    return argparse.Namespace(liger=liger, device=device)
+def _args(liger: str, device: str, backend: str = "vllm") -> argparse.Namespace:
+    return argparse.Namespace(liger=liger, device=device, backend=backend)
 
 
 def test_default_is_auto_and_cpu_runs_leave_the_model_alone():
@@ -26,6 +26,14 @@ def test_default_is_auto_and_cpu_runs_leave_the_model_alone():
     model = tiny_model("qwen2", tiny_tokenizer("chatml"))
     assert body_kernels(model, _args("auto", "cpu")) == "off"
     assert "forward" not in vars(model.model.norm)  # untouched: Liger patches the instances' forward
+
+
+def test_auto_leaves_them_out_when_the_hf_fast_decode_samples_with_the_model(restore_qwen2):
+    model = tiny_model("qwen2", tiny_tokenizer("chatml"))
+    assert body_kernels(model, _args("auto", "cuda", backend="hf")) == "off"
+    assert "forward" not in vars(model.model.norm)
+    pytest.importorskip("liger_kernel")
+    assert body_kernels(model, _args("on", "cuda", backend="hf")) == "on"  # asked for: honoured
 
 
 def test_on_needs_cuda_and_says_so():
