@@ -13,6 +13,7 @@ device (`.item()`, `nonzero`, a boolean-mask index, `allclose`, `equal`) drains 
   per chunk was ~85 ops; `head_impl="gpu"`, the path CUDA takes).
 """
 
+import contextlib
 import json
 import traceback
 
@@ -56,14 +57,22 @@ class SyncCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def arm_at_training_forward(model, counter: SyncCounter):
-    """Start counting at the first op of the model's first forward with grad enabled (the loss's own)."""
+@contextlib.contextmanager
+def counting_from_training_forward(model):
+    """A SyncCounter that starts counting at the first op of the model's first forward with grad enabled
+    (the loss's own): encoding and the host-side checks before it are not counted."""
+    counter = SyncCounter(armed=False)
 
     def hook(module, args, kwargs):
         if torch.is_grad_enabled():
             counter.armed = True
 
-    return model.register_forward_pre_hook(hook, with_kwargs=True)
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with counter:
+            yield counter
+    finally:
+        handle.remove()
 
 
 def assert_no_sync(counter: SyncCounter) -> None:
@@ -134,13 +143,8 @@ def test_the_seed_call_waits_for_nothing_once_the_forward_starts(impl, setup):
     grpo = GRPO(model, tok, group_size=3, head_impl=impl)
     grpo.calculate_loss(rollouts, REWARDS).backward()
     model.zero_grad()
-    counter = SyncCounter(armed=False)
-    handle = arm_at_training_forward(model, counter)
-    try:
-        with counter:
-            grpo.calculate_loss(rollouts, REWARDS).backward()
-    finally:
-        handle.remove()
+    with counting_from_training_forward(model) as counter:
+        grpo.calculate_loss(rollouts, REWARDS).backward()
     assert_no_sync(counter)
 
 
@@ -180,13 +184,8 @@ def test_ppo_loss_and_backward_wait_for_nothing(impl, setup):
     assert ppo.metrics["loss"] == pytest.approx(float(loss.detach()), rel=1e-6)
     assert ppo.metrics["num_tokens"] == int(prepared.mask.sum())
     on_policy = PPO(model, tok, head_impl=impl)  # advantages from the values inside compute
-    counter = SyncCounter(armed=False)
-    handle = arm_at_training_forward(model, counter)
-    try:
-        with counter:
-            on_policy.calculate_loss(rollouts, REWARDS).backward()
-    finally:
-        handle.remove()
+    with counting_from_training_forward(model) as counter:
+        on_policy.calculate_loss(rollouts, REWARDS).backward()
     assert_no_sync(counter)
 
 
