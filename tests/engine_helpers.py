@@ -1,11 +1,32 @@
-"""Helpers shared by the real-engine tests (tests/test_vllm_real.py and tests/vllm_multiprocess.py)."""
+"""Helpers shared by the real-engine tests (tests/test_vllm_*.py and tests/vllm_multiprocess.py)."""
 
 import copy
+import gc
 import threading
 
 import torch
 
 from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
+from SimpleTorchLLMRL.testing.tiny import TINY_CALC
+
+
+def tiny_calc_hf():
+    """(model, tokenizer): the embedded calculator model in float32, eval mode, as the engines load it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(TINY_CALC, dtype=torch.float32).eval(), \
+        AutoTokenizer.from_pretrained(TINY_CALC)
+
+
+def tiny_calc_engine(**engine_kwargs):
+    """A module fixture's body: a vLLM engine on the embedded calculator model (T=1, 1024 positions, eager),
+    freed after the module (`gc.collect`: objects of the tests may hold it in cycles)."""
+    from SimpleTorchLLMRL.model.generation.vllm_engine import make_llm
+
+    engine = make_llm(TINY_CALC, temperature=1.0, max_model_len=1024, enforce_eager=True, **engine_kwargs)
+    yield engine
+    del engine
+    gc.collect()
 
 
 def hf_logprobs(model, prompt: list[int], sampled: list[int]) -> torch.Tensor:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from engine_helpers import hf_logprobs
+from engine_helpers import hf_logprobs, tiny_calc_engine, tiny_calc_hf
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
@@ -17,7 +17,6 @@ from SimpleTorchLLMRL.model.generation.constrain import json_schema_grammar
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.model.generation.watch import DecodeWatch
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
-from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 
 pytestmark = [
     pytest.mark.vllm,
@@ -32,19 +31,12 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
 
 @pytest.fixture(scope="module")
 def hf():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return AutoModelForCausalLM.from_pretrained(TINY_CALC, dtype=torch.float32).eval(), \
-        AutoTokenizer.from_pretrained(TINY_CALC)
+    return tiny_calc_hf()
 
 
 @pytest.fixture(scope="module")
 def llm():
-    from SimpleTorchLLMRL.model.generation.vllm_engine import make_llm
-
-    engine = make_llm(TINY_CALC, temperature=1.0, max_model_len=1024, enforce_eager=True)
-    yield engine
-    del engine
+    yield from tiny_calc_engine()
 
 
 def _rollouts() -> list[Rollout]:

@@ -13,7 +13,7 @@ import importlib.util
 
 import pytest
 import torch
-from engine_helpers import hf_logprobs, missing_a_weight, perturbed
+from engine_helpers import hf_logprobs, missing_a_weight, perturbed, tiny_calc_engine, tiny_calc_hf
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout
@@ -22,7 +22,6 @@ from SimpleTorchLLMRL.env.tool_use import ToolUseEnv
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
-from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 from SimpleTorchLLMRL.tools.calculator import calculator
 
 pytestmark = [
@@ -35,20 +34,12 @@ FP32_TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def hf():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return AutoModelForCausalLM.from_pretrained(TINY_CALC, dtype=torch.float32).eval(), \
-        AutoTokenizer.from_pretrained(TINY_CALC)
+    return tiny_calc_hf()
 
 
 @pytest.fixture(scope="module")
 def llm():
-    from SimpleTorchLLMRL.model.generation.vllm_engine import make_llm
-
-    engine = make_llm(TINY_CALC, temperature=1.0, max_model_len=1024, enable_lora=True, max_lora_rank=8,
-                      enforce_eager=True)
-    yield engine
-    del engine
+    yield from tiny_calc_engine(enable_lora=True, max_lora_rank=8)
 
 
 def _rollouts(n: int = 3) -> list[Rollout]:

@@ -10,21 +10,18 @@ whose first content chunk leaves while the engine is held mid-reply.
 from __future__ import annotations
 
 import copy
-import gc
 import importlib.util
 import json
 
 import httpx
 import pytest
-import torch
-from engine_helpers import EngineSteps
+from engine_helpers import EngineSteps, tiny_calc_engine, tiny_calc_hf
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.model.generation.watch import DecodeWatch
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
-from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 
 pytestmark = [
     pytest.mark.vllm,
@@ -36,21 +33,12 @@ LONG = 40  # tokens of a reply whose EOS ids are banned by logit_bias
 
 @pytest.fixture(scope="module")
 def hf():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return AutoModelForCausalLM.from_pretrained(TINY_CALC, dtype=torch.float32).eval(), \
-        AutoTokenizer.from_pretrained(TINY_CALC)
+    return tiny_calc_hf()
 
 
 @pytest.fixture(scope="module")
 def llm():
-    from SimpleTorchLLMRL.model.generation.vllm_engine import make_llm
-
-    engine = make_llm(TINY_CALC, temperature=1.0, max_model_len=1024, enable_lora=True, max_lora_rank=8,
-                      enforce_eager=True)
-    yield engine
-    del engine
-    gc.collect()  # the gateway test's objects hold the engine in cycles: free it before another module's engine
+    yield from tiny_calc_engine(enable_lora=True, max_lora_rank=8)
 
 
 def _rollouts(n: int = 2) -> list[Rollout]:
