@@ -1,7 +1,6 @@
 """examples/code_grpo.py: the loop on data set rows, with a scripted generator (a right and a wrong solution
 in each group) and, as a user runs it, on the real HumanEval with the embedded model."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -10,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from examples_helpers import load_example
 
 from SimpleTorchLLMRL.utils.metrics import read_metrics
 from tests.scripted_agent import model_message
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("example_code_grpo", ROOT / "examples" / "code_grpo.py")
-code_grpo = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(code_grpo)
+code_grpo = load_example("code_grpo")
 
 MBPP_ROWS = [  # MBPP's original schema
     {"task_id": 1, "text": "Write a function to add two numbers.", "code": "", "test_setup_code": "",

@@ -3,23 +3,14 @@ copy is distilled from it) and examples/sft_dpo.py, run in-process."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from examples_helpers import load_example
 
 
 def test_distill_example_smoke(tmp_path):
-    summary = _load("distill").main(["--smoke", "--output-dir", str(tmp_path)])
+    summary = load_example("distill").main(["--smoke", "--output-dir", str(tmp_path)])
     assert (tmp_path / "teacher" / "final" / "config.json").exists()  # main.py's run wrote the teacher
     rows = [json.loads(line) for line in (tmp_path / "distill.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -30,7 +21,7 @@ def test_distill_example_smoke(tmp_path):
 
 
 def test_sft_dpo_example_smoke():
-    out = _load("sft_dpo").main(["--smoke"])
+    out = load_example("sft_dpo").main(["--smoke"])
     before, after = out["sft"]
     assert after < before  # two SFT steps lower the held-out NLL of the demonstrated replies
     dpo_before, dpo_after = out["dpo"]

@@ -6,7 +6,6 @@ value and the rewards differ within a group, so GRPO takes a real step); and bot
 scripts run as subprocesses with the default model (slow).
 """
 
-import importlib.util
 import json
 import math
 import random
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from examples_helpers import load_example
 
 from SimpleTorchLLMRL.tools import evaluate
 from SimpleTorchLLMRL.utils.metrics import read_metrics
@@ -25,15 +25,8 @@ from tests.scripted_agent import model_message
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-countdown = _load("countdown")
-tool_use_grpo = _load("tool_use_grpo")
+countdown = load_example("countdown")
+tool_use_grpo = load_example("tool_use_grpo")
 
 # ------------------------------------------------------------------ countdown problems and reward
 

@@ -1,6 +1,5 @@
 """The arithmetic task (problems, splits, answer checking, calculator) and the embedded tiny_calc model."""
 
-import importlib.util
 import json
 import operator
 import random
@@ -8,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from examples_helpers import load_example
 
 from SimpleTorchLLMRL.chat.message import MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import as_sampled, encode_prompt, encode_rollout
@@ -222,9 +222,7 @@ def test_asset_knows_the_format_and_copies_tool_results(tiny_calc):
 
 @pytest.mark.slow
 def test_pretrain_script_builds_a_loadable_model_reproducibly(tmp_path):
-    spec = importlib.util.spec_from_file_location("pretrain_tiny", ROOT / "examples" / "pretrain_tiny.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_example("pretrain_tiny")
     small = ["--examples", "300", "--steps", "3", "--batch-size", "8", "--hidden", "32", "--layers", "1",
              "--heads", "2", "--vocab-size", "2304", "--eval-problems", "3", "--eval-sampled", "2", "--samples", "2"]
     for name in ("m1", "m2"):
