@@ -138,14 +138,16 @@ def test_a_bf16_model_on_the_gpu_kernel_is_within_the_stated_bound(impl, qwen2_m
 @pytest.mark.skipif(head_triton.interpreting() or not head_triton.available(),
                     reason="runs the interpreted cases in a child process; needs triton, and not from inside one")
 def test_the_triton_kernels_in_the_interpreter():
-    """The "triton" cases of this file and test_logprobs.py, in a process where Triton interprets on CPU."""
+    """The "triton" cases of this file, test_logprobs.py and test_truncation.py, in a process where Triton
+    interprets on CPU."""
     here = Path(__file__).resolve().parent
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton and not interpreter",
-                        str(here / "test_logprobs.py"), str(here / "test_gpu_path.py")],
+                        str(here / "test_logprobs.py"), str(here / "test_gpu_path.py"), str(here / "test_truncation.py")],
                        capture_output=True, text=True, env=env, cwd=here.parent, timeout=900)
     tail = p.stdout[-3000:] + p.stderr[-2000:]
     assert p.returncode == 0, tail
     passed = re.search(r"(\d+) passed", p.stdout)
-    assert passed and int(passed.group(1)) >= 39, tail  # every loss variant, LoRA, PPO, bf16, the head itself
+    # every loss variant, LoRA, PPO, bf16, the head itself (39); truncated scoring on every Triton path (11)
+    assert passed and int(passed.group(1)) >= 39 + 11, tail
     assert "skipped" not in p.stdout.splitlines()[-1], tail

@@ -2,11 +2,6 @@
 kernel against a float64 reference written from HF's warpers, values and gradients; the kept set's edge
 cases (ties at the k-th value, the scored token's guard); the rule that decides which turns truncate."""
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -159,18 +154,3 @@ def test_which_turns_truncate():
         assert truncation_settings({"top_k": 20, **extra}) is None
     with pytest.raises(ValueError, match="top_p"):
         truncation_settings({"top_p": 1.5})
-
-
-@pytest.mark.skipif(head_triton.interpreting() or not head_triton.available(),
-                    reason="runs the interpreted cases in a child process; needs triton, and not from inside one")
-def test_the_triton_cases_in_the_interpreter():
-    """This file's "triton" cases, in a process where Triton interprets its kernels on the CPU."""
-    here = Path(__file__).resolve().parent
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton and not interpreter",
-                        str(here / "test_truncation.py")], capture_output=True, text=True, env=env, cwd=here.parent,
-                       timeout=600)
-    tail = p.stdout[-3000:] + p.stderr[-2000:]
-    assert p.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", p.stdout)
-    assert passed and int(passed.group(1)) >= 11, tail
