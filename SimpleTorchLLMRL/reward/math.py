@@ -25,7 +25,7 @@ from SimpleTorchLLMRL.reward.base import missing_reason
 from SimpleTorchLLMRL.reward.hedges import hedge_words, is_unit
 from SimpleTorchLLMRL.reward.math_verify_pool import ask_math_verify
 from SimpleTorchLLMRL.reward.numbers import NUM as _NUM
-from SimpleTorchLLMRL.reward.numbers import is_literal, normalized_equal, to_number  # noqa: F401 (to_number: public)
+from SimpleTorchLLMRL.reward.numbers import is_literal, normalized_equal
 
 _BOX_CMD = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 
