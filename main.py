@@ -39,7 +39,6 @@ from SimpleTorchLLMRL.recipes.calculator.cli import UsageError, check_args, fail
 from SimpleTorchLLMRL.recipes.calculator.data import DatasetError, batch_at, check_context, load_data
 from SimpleTorchLLMRL.recipes.calculator.evaluate import (
     accuracy_change,
-    episode_stats,
     evaluate,
     render_rollouts,
     summary_table,
@@ -52,6 +51,7 @@ from SimpleTorchLLMRL.recipes.calculator.train_loop import (
     RunLock,
     Sampler,
     StopOnSignal,
+    episode_stats,
     step_seed,
     trim_metrics,
     write_atomic,

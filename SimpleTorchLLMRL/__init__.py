@@ -1,18 +1,18 @@
 """SimpleTorchLLMRL: small, composable PyTorch primitives for RL on language models.
 
-The front door holds the names a user's loop needs; everything else is imported
-from its sub-package (see the README's file map). Each name loads on first use
-(PEP 562), so `import SimpleTorchLLMRL` stays light and has no side effects.
-
-The Router-R1 names the seed exported here still resolve, silently (a seed path, part of
-the contract). Other names an earlier release exported here (the encode helpers', the
-rollout files', ...) still resolve with a DeprecationWarning naming their one import path
-(CHANGELOG.md lists them). None of these is part of `__all__`.
+The front door holds the names a user's loop needs (`__all__`); everything else is imported
+from its sub-package (see the README's map). Each name loads on first use (PEP 562), so
+`import SimpleTorchLLMRL` stays light. The seed's import paths, and the Router-R1 names the seed
+exported here (outside `__all__`), are served by `seed.py`'s one table.
 """
 
 from __future__ import annotations
 
 import importlib
+
+from SimpleTorchLLMRL.seed import SEED_NAMES, install
+
+__version__ = "0.2.0"
 
 _FRONT_DOOR = {
     "SimpleTorchLLMRL.chat.message": ["Message", "MessageType", "Rollout"],
@@ -26,47 +26,18 @@ _FRONT_DOOR = {
     "SimpleTorchLLMRL.tools": ["tool", "ToolRegistry"],
 }
 
-_EARLIER = {  # resolve with a DeprecationWarning naming the module to import them from
-    "SimpleTorchLLMRL.chat.tokenize": ["Batch", "EncodedRollout", "collate", "encode_prompt", "encode_rollouts",
-                                       "as_sampled"],
-    "SimpleTorchLLMRL.chat.rollout_io": ["save_rollouts", "load_rollouts", "RolloutWriter"],
-    "SimpleTorchLLMRL.model.scoring.logprobs": ["token_logprobs"],
-    "SimpleTorchLLMRL.trainer.drift": ["logprob_drift"],
-    "SimpleTorchLLMRL.env": ["QASolverEnv", "ToolUseEnv"],
-    "SimpleTorchLLMRL.tools": ["Tool"],
-    "SimpleTorchLLMRL.reward": ["CombinedReward"],
-    "SimpleTorchLLMRL.utils.metrics": ["MetricsLogger"],
-    "SimpleTorchLLMRL.recipes.router_r1": ["RouterEnv", "RoutingPool", "CallableModel", "HFModel", "OpenAIModel"],
-}
+_WHERE = {name: module for module, names in _FRONT_DOOR.items() for name in names}
 
-_SEED = {  # the names the seed's package exported: silent, a seed path
-    "SimpleTorchLLMRL.recipes.router_r1": [
-        "RouterDataConfig", "RouterGenerationConfig", "RouterToolConfig", "RouterRewardConfig",
-        "RouterTrainerConfig", "RouterValidationConfig", "RouterTrainingConfig", "RouterGenerationManager",
-        "RouterReward", "RouterR1Trainer",
-    ],
-}
+__all__ = sorted(_WHERE)
 
-
-def _where(table: dict[str, list[str]]) -> dict[str, str]:
-    return {name: module for module, names in table.items() for name in names}
-
-
-_WHERE = _where(_EARLIER) | _where(_SEED) | _where(_FRONT_DOOR)
-_DEPRECATED = _where(_EARLIER)
-
-__all__ = sorted(_where(_FRONT_DOOR))
+install()
 
 
 def __getattr__(name: str):
-    module = _WHERE.get(name)
+    module = _WHERE.get(name) or SEED_NAMES.get(name)
     if module is None:
         raise AttributeError(f"module 'SimpleTorchLLMRL' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
-    if name in _DEPRECATED:
-        from SimpleTorchLLMRL.utils.warn import warn_user
-
-        warn_user(f"SimpleTorchLLMRL.{name} is deprecated; use `from {module} import {name}`", DeprecationWarning)
     globals()[name] = value
     return value
 

@@ -9,6 +9,8 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from stages import pytest_collection_modifyitems, pytest_runtest_protocol  # noqa: E402, F401 (the two stages' hooks)
+
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
 # Tiny models gain nothing from intra-op threads; one thread avoids oversubscribing small CI machines.
@@ -51,3 +53,4 @@ def llama_model(llama3_tokenizer):
 @pytest.fixture
 def gpt2_model(plain_tokenizer):
     return tiny_model("gpt2", plain_tokenizer)
+

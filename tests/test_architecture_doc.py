@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_file_the_architecture_page_names_exists():
     text = (ROOT / "docs" / "architecture.md").read_text()
     named = set(re.findall(r"`((?:SimpleTorchLLMRL|tests|benchmarks)/[\w/.]+|main\.py)`", text))
-    named |= {f"SimpleTorchLLMRL/{p}" for p in re.findall(r"`(\w+/\w+\.py)`", text) if not p.startswith("tests/")}
+    named |= {f"SimpleTorchLLMRL/{p}" for p in re.findall(r"`(\w+/\w+\.py)`", text)
+              if not p.startswith(("tests/", "SimpleTorchLLMRL/"))}
     assert len(named) > 15
     missing = sorted(p for p in named if not (ROOT / p).exists())
     assert not missing, missing
@@ -64,10 +65,11 @@ def table_rows(text: str) -> list[list[str]]:
 
 
 def library_tree() -> dict[str, list[str]]:
-    """package path (relative, with a trailing /) -> its module stems, for every package of the library."""
+    """package path (relative, with a trailing /; the root as `SimpleTorchLLMRL/`) -> its module stems."""
     packages = sorted(p for p in PACKAGE.rglob("*") if (p / "__init__.py").is_file() and "__pycache__" not in p.parts)
-    return {f"{p.relative_to(PACKAGE).as_posix()}/": sorted(m.stem for m in p.glob("*.py") if m.stem != "__init__")
+    tree = {f"{p.relative_to(PACKAGE).as_posix()}/": sorted(m.stem for m in p.glob("*.py") if m.stem != "__init__")
             for p in packages}
+    return {f"{PACKAGE.name}/": sorted(m.stem for m in PACKAGE.glob("*.py") if m.stem != "__init__"), **tree}
 
 
 def test_the_file_table_matches_the_tree():
@@ -108,7 +110,7 @@ def test_the_readme_map_names_every_package_and_example():
     readme = (ROOT / "README.md").read_text()
     start = readme.index("## Map of the package")
     the_map = readme[start: readme.index("\n## ", start + 1)]
-    packages = {p.split("/")[0] for p in library_tree()}
+    packages = {p.split("/")[0] for p in library_tree() if p != f"{PACKAGE.name}/"}
     missing = sorted(f"{p}/" for p in packages if not re.search(rf"^\s+{p}/\s", the_map, re.M))
     examples = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
     missing += sorted(f"examples/{e}.py" for e in examples if not re.search(rf"\b{e}\b", the_map))

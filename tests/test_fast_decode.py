@@ -227,7 +227,7 @@ def test_multi_turn_calculator_episodes_on_the_real_tokenizer():
     from SimpleTorchLLMRL.env.tool_use import ToolUseEnv
     from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
     from SimpleTorchLLMRL.testing.tiny import TINY_CALC
-    from SimpleTorchLLMRL.tools.calculator import calculator
+    from SimpleTorchLLMRL.tools import calculator
 
     model = AutoModelForCausalLM.from_pretrained(TINY_CALC, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(TINY_CALC)

@@ -19,7 +19,7 @@ from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
 from SimpleTorchLLMRL.gateway.openai_format import RequestError, parse_request  # noqa: E402
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig  # noqa: E402
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT  # noqa: E402
-from SimpleTorchLLMRL.tools.calculator import evaluate  # noqa: E402
+from SimpleTorchLLMRL.tools import evaluate  # noqa: E402
 from tests.gateway_helpers import QUESTION, calc_env, load_calc, start  # noqa: E402
 
 

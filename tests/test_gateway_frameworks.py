@@ -34,7 +34,7 @@ from SimpleTorchLLMRL.chat.tokenize import encode_rollout  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
 from SimpleTorchLLMRL.gateway.openai_format import reply_view  # noqa: E402
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import CALCULATOR_SCHEMA, SYSTEM_PROMPT  # noqa: E402
-from SimpleTorchLLMRL.tools.calculator import CalculatorError, evaluate  # noqa: E402
+from SimpleTorchLLMRL.tools import CalculatorError, evaluate  # noqa: E402
 from tests.gateway_helpers import QUESTION, load_calc, start  # noqa: E402
 
 IDS = {"return_token_ids": True}  # the gateway's field: answers carry prompt_token_ids and token_ids

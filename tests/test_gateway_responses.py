@@ -24,7 +24,7 @@ from SimpleTorchLLMRL.gateway.responses import (  # noqa: E402
 )
 from SimpleTorchLLMRL.gateway.sessions import MAX_LINKS, SessionStore  # noqa: E402
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import CALCULATOR_SCHEMA, SYSTEM_PROMPT  # noqa: E402
-from SimpleTorchLLMRL.tools.calculator import evaluate  # noqa: E402
+from SimpleTorchLLMRL.tools import evaluate  # noqa: E402
 from tests.gateway_helpers import QUESTION, calc_env, load_calc  # noqa: E402
 
 TOOLS = [{"type": "function", **CALCULATOR_SCHEMA["function"]}]  # the calculator in the Responses shape

@@ -210,7 +210,7 @@ def test_pydantic_ai_output_type_returns_a_valid_object(served):
 
 def test_a_smolagents_tool_calling_step_parses(served):
     smolagents = pytest.importorskip("smolagents")
-    from SimpleTorchLLMRL.tools.calculator import evaluate
+    from SimpleTorchLLMRL.tools import evaluate
 
     _, url = served
 

@@ -97,18 +97,76 @@ def test_packages_on_the_way_skip_the_importers_own():
     assert _packages_on_the_way("SimpleTorchLLMRL.tools.landlock", "SimpleTorchLLMRL.tools.sandbox") == []
 
 
+SEED_TABLE = f"{ROOT}.seed"  # the seed's paths: module names as strings, resolved only when a seed path is imported
+
+
 def test_the_library_never_imports_a_recipe():
+    """No import statement of the library outside recipes/ (at module level or in a function) reaches a recipe."""
     graph = import_graph()
     recipe = f"{ROOT}.recipes"
-    seed_alias = f"{ROOT}.router_r1"  # the seed's name for recipes/router_r1: no code, only that recipe
     offenders = {m: sorted(t for t in targets if t.startswith(recipe))
-                 for m, targets in graph.items() if not m.startswith((recipe, seed_alias))}
+                 for m, targets in graph.items() if not m.startswith(recipe)}
     assert {m: t for m, t in offenders.items() if t} == {}
+
+
+def recipe_names_in_strings(package_dir: Path = PACKAGE) -> list[str]:
+    """Where a library module outside recipes/ names a recipe's module in a string (what `importlib` would
+    import), seed.py's table and docstrings aside."""
+    found = []
+    for path in sorted(package_dir.rglob("*.py")):
+        rel = path.relative_to(package_dir)
+        if rel.parts[0] == "recipes" or rel.as_posix() == "seed.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        prose = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        found += [f"{rel}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Constant) and id(n) not in prose
+                  and isinstance(n.value, str) and re.search(rf"\b{ROOT}\.recipes\b", n.value)]
+    return found
+
+
+def test_no_library_module_names_a_recipe_to_import_it_at_run_time():
+    assert recipe_names_in_strings() == []
+
+
+def test_the_string_check_catches_an_importlib_import_of_a_recipe(tmp_path):
+    import shutil
+
+    copy = tmp_path / ROOT
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    target = copy / "env" / "base.py"
+    target.write_text(target.read_text() + "\n\ndef _late():\n    import importlib\n\n"
+                      f"    return importlib.import_module(\"{ROOT}.recipes.calculator.arithmetic\")\n")
+    assert recipe_names_in_strings(copy) == [f"env/base.py:{len(target.read_text().splitlines())}"]
+
+
+def test_importing_every_library_module_loads_no_recipe():
+    """In a fresh interpreter: every module outside recipes/ imported, and not one recipe module came with them."""
+    import subprocess
+    import sys
+
+    modules = sorted(m for m in _modules() if not m.startswith(f"{ROOT}.recipes") and not m.endswith("__main__"))
+    code = ("import importlib, sys\n"
+            f"for m in {modules!r}:\n    importlib.import_module(m)\n"
+            f"print(sorted(m for m in sys.modules if m.startswith('{ROOT}.recipes')))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=PACKAGE.parent)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert len(modules) > 100 and run.stdout.split("\n")[-2] == "[]"
 
 
 def test_at_most_three_modules_at_the_package_root():
     loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
     assert len(loose) <= 3, loose
+
+
+UPPER_CASE_PENDING = {"trainer/GRPO.py", "trainer/PPO.py"}  # renamed by the trainer's change of this release
+
+
+def test_module_files_are_lower_case():
+    """The seed's upper-case module names live on as seed paths (seed.py), not as files."""
+    upper = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if p.stem != p.stem.lower()}
+    assert upper - UPPER_CASE_PENDING == set()
+    assert UPPER_CASE_PENDING - upper == set(), "renamed: remove it from UPPER_CASE_PENDING"
 
 
 def test_the_front_door_is_small():
@@ -228,18 +286,13 @@ def test_a_package_missing_from_the_layers_is_named():
 # ----------------------------------------------------------------------------- package __init__ files
 
 
-MOVED_TABLE = ("SimpleTorchLLMRL.utils.moved", "alias_moved")  # the one import a table of moved modules takes
-
-
 def init_policy_problems(init: Path) -> list[str]:
     """The rule for a package's __init__.py (docs/architecture.md): a docstring saying what the package holds;
-    then either no imports at all, or eager re-exports whose names are exactly `__all__`. A package whose
-    modules moved may also keep their table (`MOVED`, served by `utils.moved.alias_moved`)."""
+    then either no imports at all, or eager re-exports whose names are exactly `__all__`."""
     tree = ast.parse(init.read_text(encoding="utf-8"))
     where = init.parent.name
     problems = [] if ast.get_docstring(tree) else [f"{where}: no docstring"]
-    imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom)
-                for a in n.names if (n.module, a.name) != MOVED_TABLE}
+    imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
     imported.discard("annotations")  # from __future__
     listed = next((ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
                    and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)), None)
@@ -253,7 +306,7 @@ def init_policy_problems(init: Path) -> list[str]:
 
 
 def test_every_package_init_follows_one_policy():
-    inits = sorted(p for p in PACKAGE.rglob("__init__.py") if p.parent not in (PACKAGE, PACKAGE / "router_r1"))
+    inits = sorted(p for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE)
     assert len(inits) >= 12
     assert [p for init in inits for p in init_policy_problems(init)] == []
 
@@ -267,9 +320,6 @@ def test_the_init_policy_check_names_each_breach(tmp_path):
         init.write_text(body)
         assert any(problem in p for p in init_policy_problems(init)), (body, problem)
     init.write_text('"""Doc."""\nfrom x import a, b\n__all__ = ["b", "a"]\n')
-    assert init_policy_problems(init) == []
-    init.write_text('"""Doc."""\nfrom SimpleTorchLLMRL.utils.moved import alias_moved\nMOVED = {}\n'
-                    '__getattr__ = alias_moved(__name__, MOVED)\n')
     assert init_policy_problems(init) == []
 
 

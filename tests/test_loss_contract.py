@@ -2,14 +2,12 @@
 as 0-dim tensors; one front shape for GRPO and PPO; one aggregator per name; one DAPO overlong penalty."""
 
 import inspect
-import warnings
 
 import pytest
 import torch
 from losses_helpers import assert_grads_close, grads, make_rollouts, perturbed_copy, with_sampled_logprobs
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
-from SimpleTorchLLMRL.chat.tokenize import rollouts_to_batch
 from SimpleTorchLLMRL.reward.length import OverlongPenalty, overlong_penalty
 from SimpleTorchLLMRL.trainer import advantages as A
 from SimpleTorchLLMRL.trainer import losses as L
@@ -228,21 +226,6 @@ def test_grpo_overlong_penalty_is_the_rewards(qwen2_model, chatml_tokenizer):
     pen = grpo.overlong_penalty(rollouts, max_length=10, cache_length=6)
     torch.testing.assert_close(pen, OverlongPenalty(10, 6, scope="all", tokenizer=chatml_tokenizer)(rollouts))
     assert float(pen[2]) == pytest.approx((4 - 8) / 6)  # 3 + 5 generated tokens
-
-
-def test_the_samplers_logprobs_old_name_warns_once(chatml_tokenizer):
-    from SimpleTorchLLMRL.utils import warn
-
-    rollout = Rollout([Message("q"), Message("a", MessageType.MODEL, token_ids=[5, 6], logprobs=[-0.5, -1.0])])
-    batch = rollouts_to_batch([rollout], chatml_tokenizer)
-    warn.DEPRECATED_SEEN.discard("Batch.old_logprobs")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        same = batch.old_logprobs
-        batch.old_logprobs  # noqa: B018  (a second read: no second warning)
-    assert torch.equal(torch.nan_to_num(same), torch.nan_to_num(batch.sampler_logprobs))
-    assert [(w.category, str(w.message).split(";")[0], w.filename) for w in caught] == [
-        (DeprecationWarning, "Batch.old_logprobs is deprecated", __file__)]
 
 
 @pytest.mark.parametrize("impl", ["cpu", "gpu"])

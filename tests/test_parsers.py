@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType
-from SimpleTorchLLMRL.tools.calculator import calculator
+from SimpleTorchLLMRL.tools import calculator
 from SimpleTorchLLMRL.tools.parsers import (
     CodeBlockParser,
     JsonToolCallParser,

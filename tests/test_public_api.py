@@ -5,13 +5,14 @@ import importlib
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 import SimpleTorchLLMRL
 
-SEED_PATHS = [
+SEED_PATHS = [  # (the seed's module, a name it showed): each is the object of the name's one documented path
     ("SimpleTorchLLMRL.chat.message", "Rollout"),
     ("SimpleTorchLLMRL.chat.message", "Message"),
     ("SimpleTorchLLMRL.chat.message", "MessageType"),
@@ -21,9 +22,6 @@ SEED_PATHS = [
     ("SimpleTorchLLMRL.env.QASolve", "QASolverEnv"),
     ("SimpleTorchLLMRL.env.ToolQASolve", "ToolUseEnv"),
 ]
-
-ROUTER_NAMES = ["RouterDataConfig", "RouterGenerationConfig", "RouterToolConfig", "RouterRewardConfig",
-                "RouterTrainerConfig", "RouterValidationConfig", "RouterTrainingConfig"]
 
 
 @pytest.mark.parametrize("module,name", SEED_PATHS)
@@ -38,37 +36,36 @@ def test_every_exported_name_resolves(name):
     assert getattr(SimpleTorchLLMRL, name) is not None
 
 
-def test_router_r1_names_exported_from_the_package():
-    """Earlier users imported the Router-R1 configs from the package: they still resolve (outside `__all__`)."""
-    for name in ROUTER_NAMES:
-        assert getattr(SimpleTorchLLMRL, name).__module__.startswith("SimpleTorchLLMRL.recipes.router_r1")
+def test_the_seed_router_names_resolve_silently_from_the_recipe():
+    """The seed exported the Router-R1 configs, manager, reward and trainer from the package (outside `__all__`)."""
+    from SimpleTorchLLMRL.seed import SEED_NAMES
 
-
-EARLIER_NAMES = ["Batch", "EncodedRollout", "collate", "encode_prompt", "encode_rollouts", "as_sampled",
-                 "save_rollouts", "load_rollouts", "RolloutWriter", "token_logprobs", "logprob_drift",
-                 "QASolverEnv", "ToolUseEnv", "Tool", "CombinedReward", "MetricsLogger",
-                 "RouterEnv", "RoutingPool", "CallableModel", "HFModel", "OpenAIModel"]
-
-
-@pytest.mark.parametrize("name", EARLIER_NAMES)
-def test_names_exported_by_an_earlier_release_still_resolve_with_a_warning(name):
-    """Each resolves to its one path's object, with a DeprecationWarning at the caller's line naming that path."""
-    SimpleTorchLLMRL.__dict__.pop(name, None)  # a name resolves (and warns) once per process
-    with pytest.warns(DeprecationWarning, match=rf"SimpleTorchLLMRL\.{name} is deprecated; use `from (\S+) import {name}`") as w:
-        value = getattr(SimpleTorchLLMRL, name)
-    module = re.search(r"use `from (\S+) import", str(w[0].message)).group(1)
-    assert value is getattr(importlib.import_module(module), name)
-    assert w[0].filename == __file__  # points at the line that used the old name
-
-
-def test_the_seed_router_names_resolve_silently():
-    import warnings
-
-    for name in ROUTER_NAMES + ["RouterGenerationManager", "RouterReward", "RouterR1Trainer"]:
+    recipe = importlib.import_module("SimpleTorchLLMRL.recipes.router_r1")
+    assert len(SEED_NAMES) == 10
+    for name in SEED_NAMES:
         SimpleTorchLLMRL.__dict__.pop(name, None)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert getattr(SimpleTorchLLMRL, name) is getattr(importlib.import_module("SimpleTorchLLMRL.router_r1"), name)
+            assert getattr(SimpleTorchLLMRL, name) is getattr(recipe, name)
+        assert name not in SimpleTorchLLMRL.__all__
+
+
+@pytest.mark.parametrize("name", ["Batch", "collate", "save_rollouts", "token_logprobs", "logprob_drift",
+                                  "QASolverEnv", "ToolUseEnv", "Tool", "CombinedReward", "MetricsLogger",
+                                  "RouterEnv", "RoutingPool"])
+def test_names_earlier_releases_exported_here_are_gone(name):
+    """0.2.0 serves no old spelling but the seed's: these are imported from their one path (CHANGELOG.md)."""
+    with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+        getattr(SimpleTorchLLMRL, name)
+
+
+def test_the_version_is_the_projects():
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert SimpleTorchLLMRL.__version__ == pyproject["project"]["version"] == "0.2.0"
+    changelog = (Path(__file__).resolve().parents[1] / "CHANGELOG.md").read_text()
+    assert "\n## 0.2.0" in changelog and "\n## 0.1.0 (2026-11-28)" in changelog
 
 
 def test_unknown_name_is_an_attribute_error():
@@ -142,24 +139,3 @@ def step():
 '''
     assert stated_return_mismatches(source) == [("compute", "LossOutput", "StepOutput")]
     assert stated_return_mismatches(source.replace("-> StepOutput", "-> LossOutput")) == []
-
-
-@pytest.mark.parametrize("name", ["Sample", "cut_sample"])
-def test_names_moved_out_of_model_generate_warn_and_resolve(name):
-    from SimpleTorchLLMRL.model import generate
-    from SimpleTorchLLMRL.model.generation import sampling
-
-    with pytest.warns(DeprecationWarning, match=rf"use `from SimpleTorchLLMRL\.model\.generation\.sampling import {name}`"):
-        assert getattr(generate, name) is getattr(sampling, name)
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        generate.nope  # noqa: B018
-
-
-def test_the_changelog_lists_every_old_name():
-    from SimpleTorchLLMRL.model import generate
-
-    changelog = (Path(__file__).resolve().parents[1] / "CHANGELOG.md").read_text()
-    old = [n for table in (SimpleTorchLLMRL._EARLIER, SimpleTorchLLMRL._SEED) for names in table.values() for n in names]
-    old += list(generate._MOVED)
-    assert len(old) == 33
-    assert [n for n in old if f"`{n}`" not in changelog and f".{n}`" not in changelog] == []

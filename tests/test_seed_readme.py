@@ -9,7 +9,14 @@ names the seed left to the reader (`model`, `tokenizer`, `dataset`, `question`, 
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,17 +207,205 @@ def test_the_seed_router_r1_package_imports():
     seed = importlib.import_module("SimpleTorchLLMRL.router_r1")
     recipe = importlib.import_module("SimpleTorchLLMRL.recipes.router_r1")
     assert seed is recipe
-    for name in ("config", "generation", "reward", "trainer"):  # the seed package's modules kept here
+    for name in ("config", "data", "generation", "pool", "reward", "tags", "trainer"):  # the seed package's modules
         assert importlib.import_module(f"SimpleTorchLLMRL.router_r1.{name}") is getattr(recipe, name)
     from SimpleTorchLLMRL.router_r1 import RouterR1Trainer, RouterReward, RouterTrainingConfig
+    from SimpleTorchLLMRL.router_r1.config import RouterDataConfig
 
     assert RouterR1Trainer.__module__ == "SimpleTorchLLMRL.recipes.router_r1.trainer"
     assert RouterReward is recipe.RouterReward and RouterTrainingConfig is recipe.RouterTrainingConfig
+    assert RouterDataConfig is recipe.RouterDataConfig
 
 
 def test_the_router_r1_examples_the_seed_names_exist():
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
     assert (root / "examples" / "router_r1_training.py").is_file()
     assert (root / "examples" / "router_r1_math_qwen.py").is_file()
+
+
+# ----------------------------------------------------------------------------- one table, one mechanism
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "SimpleTorchLLMRL"
+
+
+def test_every_seed_path_gives_its_real_module():
+    """Each row of the table: the seed path and the module it names now are one object. Before a row's rename
+    lands (the real module not there yet), the seed path is still its own file, and that file wins."""
+    from SimpleTorchLLMRL.seed import SEED_MODULES
+
+    for seed, real in SEED_MODULES.items():
+        seed_file = PACKAGE.parent / (seed.replace(".", "/") + ".py")
+        if importlib.util.find_spec(real) is None:
+            assert seed_file.is_file(), f"{seed}: neither {real} nor the seed's own file exists"
+            assert importlib.import_module(seed).__name__ == seed
+        else:
+            assert not seed_file.is_file() and not seed_file.with_suffix("").is_dir(), seed
+            assert importlib.import_module(seed) is importlib.import_module(real), seed
+
+
+def test_monkeypatching_through_a_seed_path_patches_the_real_module(monkeypatch):
+    import SimpleTorchLLMRL.env.QASolve as seed_path
+
+    from SimpleTorchLLMRL.env import QASolverEnv, qa_solver
+
+    monkeypatch.setattr(seed_path, "DEFAULT_QA_PROMPT", "patched")
+    assert qa_solver.DEFAULT_QA_PROMPT == "patched"
+    assert [m.content for m in QASolverEnv().setup("q")[0]] == ["patched", "q"]
+
+
+def test_the_renames_the_table_names_resolve_once_the_files_are_gone(tmp_path):
+    """In a copy of the library where the seed's module files have their new names (trainer/GRPO.py ->
+    trainer/grpo.py, model/generate.py -> model/generation/generator.py; already so once those renames land),
+    a fresh interpreter imports each seed path as the renamed module itself."""
+    copy = tmp_path / "SimpleTorchLLMRL"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    for old, new in [("trainer/GRPO.py", "trainer/grpo.py"), ("model/generate.py", "model/generation/generator.py")]:
+        if (copy / old).is_file():
+            (copy / old).rename(copy / new)
+    code = """
+import importlib, sys, warnings
+warnings.simplefilter("error")
+from SimpleTorchLLMRL.seed import SEED_MODULES
+for seed, real in SEED_MODULES.items():
+    assert importlib.import_module(seed) is importlib.import_module(real), seed
+from SimpleTorchLLMRL.trainer.GRPO import GRPO
+from SimpleTorchLLMRL.model.generate import ModelGenerate
+import SimpleTorchLLMRL
+assert GRPO is SimpleTorchLLMRL.GRPO and ModelGenerate is SimpleTorchLLMRL.ModelGenerate
+assert sys.modules["SimpleTorchLLMRL.trainer.GRPO"].__file__.endswith("trainer/grpo.py")
+print("ok", SimpleTorchLLMRL.__file__)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["ok", str(copy / "__init__.py")]
+
+
+@pytest.fixture
+def toy_package(tmp_path, monkeypatch):
+    """A package `toyseed` with modules `new` and `newpkg.child`, on sys.path; forgotten afterwards."""
+    root = tmp_path / "toyseed"
+    (root / "newpkg").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "new.py").write_text("VALUE = 1\n")
+    (root / "newpkg" / "__init__.py").write_text("from toyseed.newpkg import child\n")
+    (root / "newpkg" / "child.py").write_text("VALUE = 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield root
+    for name in [m for m in sys.modules if m == "toyseed" or m.startswith("toyseed.")]:
+        del sys.modules[name]
+
+
+def test_the_finder_gives_the_same_module_object_and_a_real_module_wins(toy_package, monkeypatch):
+    from SimpleTorchLLMRL.seed import SeedPaths
+
+    finder = SeedPaths({"toyseed.old": "toyseed.new", "toyseed.real": "toyseed.new",
+                        "toyseed.oldpkg": "toyseed.newpkg", "toyseed.oldpkg.child": "toyseed.newpkg.child"})
+    (toy_package / "real.py").write_text("VALUE = 3\n")  # a real module of a seed path's name
+    monkeypatch.setattr(sys, "meta_path", [*sys.meta_path, finder])
+
+    import toyseed.new
+    import toyseed.old
+    from toyseed import old as by_from
+
+    assert toyseed.old is toyseed.new is by_from
+    monkeypatch.setattr(toyseed.old, "VALUE", 10)
+    assert toyseed.new.VALUE == 10
+    assert importlib.import_module("toyseed.real").VALUE == 3  # the path finders come first
+    child = importlib.import_module("toyseed.oldpkg.child")  # never a second copy through the package's path
+    assert child is importlib.import_module("toyseed.newpkg.child") and child.__name__ == "toyseed.newpkg.child"
+    assert importlib.import_module("toyseed.oldpkg") is importlib.import_module("toyseed.newpkg")
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("toyseed.nothing")
+
+
+def test_the_seed_finder_is_installed_once_and_last():
+    """After the path finders: a real module of a seed path's name always wins."""
+    from importlib.machinery import PathFinder
+
+    from SimpleTorchLLMRL import seed
+
+    seed.install()
+    assert sys.meta_path.count(seed.FINDER) == 1
+    assert sys.meta_path.index(seed.FINDER) > sys.meta_path.index(PathFinder)
+
+
+def _module_getattrs(tree: ast.Module) -> bool:
+    return any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body) or any(
+        isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__getattr__" for t in n.targets)
+        for n in tree.body)
+
+
+def _import_state_writes(tree: ast.Module) -> list[int]:
+    """Lines that write `sys.modules[...]`, or change `sys.meta_path` / `sys.path_hooks` / `sys.modules` by a call."""
+    lines = []
+    for n in ast.walk(tree):
+        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AugAssign) else []
+        for target in targets:
+            if isinstance(target, ast.Subscript) and ast.unparse(target.value) == "sys.modules":
+                lines.append(n.lineno)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and ast.unparse(n.func.value) in (
+                "sys.modules", "sys.meta_path", "sys.path_hooks") and n.func.attr not in ("get", "index", "count"):
+            lines.append(n.lineno)
+    return lines
+
+
+# Old spellings other slices of this release remove from files this test cannot edit; an entry goes when its
+# file is fixed (the test says so).
+PENDING = {"model/generate.py": "ModelGenerate's warning __getattr__ (Sample, cut_sample) and deprecated methods"}
+# Writes to sys.modules that are not aliases: the sandbox launcher loads its sibling files under their own names.
+OWN_LOADERS = {"tools/sandbox_launch.py"}
+
+
+def alias_mechanisms(package_dir: Path = PACKAGE) -> dict[str, list[str]]:
+    """file -> what in it could serve an old name: a module `__getattr__` (the front door's aside), a write to the
+    import system's state, a DeprecationWarning. seed.py is the one place allowed to."""
+    found = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        rel = path.relative_to(package_dir).as_posix()
+        if rel == "seed.py":
+            continue
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+        what = []
+        if _module_getattrs(tree) and rel != "__init__.py":
+            what.append("a module __getattr__")
+        if rel not in OWN_LOADERS:
+            what += [f"line {n}: writes the import system's state" for n in _import_state_writes(tree)]
+        if "DeprecationWarning" in source:
+            what.append("a DeprecationWarning")
+        if what:
+            found[rel] = what
+    return found
+
+
+def test_the_seed_table_is_the_only_alias_mechanism():
+    found = alias_mechanisms()
+    assert {k: v for k, v in found.items() if k not in PENDING} == {}
+    assert [k for k in PENDING if k not in found] == [], "fixed: remove it from PENDING"
+
+
+def test_the_front_door_serves_its_names_and_the_seeds_only():
+    import SimpleTorchLLMRL
+    from SimpleTorchLLMRL.seed import SEED_NAMES
+
+    assert sorted(SimpleTorchLLMRL._WHERE) == SimpleTorchLLMRL.__all__
+    assert not set(SEED_NAMES) & set(SimpleTorchLLMRL.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'Batch'"):
+        SimpleTorchLLMRL.Batch  # noqa: B018  (0.1.0 served it with a warning)
+
+
+def test_the_alias_check_names_each_mechanism(tmp_path):
+    copy = tmp_path / "SimpleTorchLLMRL"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    with (copy / "env" / "base.py").open("a") as f:
+        f.write("\n\ndef __getattr__(name):\n    raise AttributeError(name)\n")
+    with (copy / "reward" / "text.py").open("a") as f:
+        f.write("\nimport sys\nsys.modules['SimpleTorchLLMRL.reward.old'] = sys.modules[__name__]\n")
+    with (copy / "tools" / "base.py").open("a") as f:
+        f.write("\nimport sys\nsys.meta_path.append(object())\n")
+    found = alias_mechanisms(copy)
+    assert found["env/base.py"] == ["a module __getattr__"]
+    assert [w.split(": ")[1] for w in found["reward/text.py"]] == ["writes the import system's state"]
+    assert [w.split(": ")[1] for w in found["tools/base.py"]] == ["writes the import system's state"]

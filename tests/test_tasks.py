@@ -12,7 +12,8 @@ from examples_helpers import load_example
 from SimpleTorchLLMRL.chat.message import MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import as_sampled, encode_prompt, encode_rollout
 from SimpleTorchLLMRL.recipes.calculator import arithmetic as A
-from SimpleTorchLLMRL.tools.calculator import CalculatorError, evaluate, format_number
+from SimpleTorchLLMRL.tools import CalculatorError, evaluate
+from SimpleTorchLLMRL.tools.base import format_number
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSET = ROOT / "SimpleTorchLLMRL" / "assets" / "tiny_calc"
@@ -125,7 +126,8 @@ def test_tool_call_roundtrip_and_malformed_calls():
 
 
 def test_calculator_schema_is_the_calculator_tools_schema():
-    calculator = pytest.importorskip("SimpleTorchLLMRL.tools.calculator").calculator
+    from SimpleTorchLLMRL.tools import calculator
+
     assert calculator.schema == A.CALCULATOR_SCHEMA
     assert calculator.run({"expression": "47 * 23"}) == A.run_calculator("47 * 23") == "1081"
 

@@ -22,7 +22,7 @@ from SimpleTorchLLMRL.env.tool_use import ToolUseEnv
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
-from SimpleTorchLLMRL.tools.calculator import calculator
+from SimpleTorchLLMRL.tools import calculator
 
 pytestmark = [
     pytest.mark.vllm,

@@ -46,7 +46,6 @@ import torch
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.template import ChatTemplate, chat_template_for
 from SimpleTorchLLMRL.chat.truncation import Truncation, batch_truncation
-from SimpleTorchLLMRL.utils.warn import warn_deprecated
 
 NAN = float("nan")
 
@@ -69,13 +68,6 @@ class EncodedRollout:
 
     def __len__(self) -> int:
         return len(self.input_ids)
-
-    @property
-    def old_logprobs(self) -> list[float] | None:
-        """Deprecated spelling of `sampler_logprobs` (the generator's, not the trainer's old policy,
-        which `TrainBatch.old_logprobs` holds)."""
-        warn_deprecated("EncodedRollout.old_logprobs", "EncodedRollout.sampler_logprobs (the generator's log-probs)")
-        return self.sampler_logprobs
 
 
 @dataclass
@@ -120,13 +112,6 @@ class Batch:
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
-
-    @property
-    def old_logprobs(self) -> torch.Tensor | None:
-        """Deprecated spelling of `sampler_logprobs` (the generator's, not the trainer's old policy,
-        which `TrainBatch.old_logprobs` holds)."""
-        warn_deprecated("Batch.old_logprobs", "Batch.sampler_logprobs (the generator's log-probs)")
-        return self.sampler_logprobs
 
     @property
     def num_tokens(self) -> int:

@@ -1,7 +1,14 @@
 """Tools for agents: `Tool` / `@tool`, `ToolRegistry`, call parsers, a calculator and a python sandbox."""
 
-from SimpleTorchLLMRL.tools.base import Tool, ToolArgumentError, format_result, tool
-from SimpleTorchLLMRL.tools.calculator import CalculatorError, calculator, evaluate
+from SimpleTorchLLMRL.tools.base import (
+    CalculatorError,
+    Tool,
+    ToolArgumentError,
+    calculator,
+    evaluate,
+    format_result,
+    tool,
+)
 from SimpleTorchLLMRL.tools.parsers import (
     CodeBlockParser,
     JsonToolCallParser,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.reward.math import extract_boxed
-from SimpleTorchLLMRL.tools.calculator import CalculatorError, evaluate, format_number
+from SimpleTorchLLMRL.tools.base import CalculatorError, evaluate, format_number
 from SimpleTorchLLMRL.tools.parsers import JsonToolCallParser, format_json_call
 
 OPS = ("+", "-", "*")
@@ -39,7 +39,7 @@ SYSTEM_PROMPT = (
     "Give the final answer as \\boxed{number}."
 )
 
-# The schema of `SimpleTorchLLMRL.tools.calculator.calculator` (tests keep the two equal): what the chat
+# The schema of `SimpleTorchLLMRL.tools.calculator` (tests keep the two equal): what the chat
 # template shows the model under "# Tools" when an env passes `tools=`.
 CALCULATOR_SCHEMA = {
     "type": "function",

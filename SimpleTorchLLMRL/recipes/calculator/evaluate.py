@@ -18,6 +18,7 @@ from SimpleTorchLLMRL.chat.message import MessageType, Rollout
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import used_tool
+from SimpleTorchLLMRL.recipes.calculator.train_loop import episode_stats
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -27,15 +28,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def episode_stats(rollouts: Sequence[Rollout], rewards: torch.Tensor) -> dict[str, float]:
-    """Accuracy (reward == 1), tool-use rate, and sampled tokens per rollout."""
-    n = max(len(rollouts), 1)
-    sampled = [sum(len(m.token_ids or ()) for m in r if m.type is MessageType.MODEL) for r in rollouts]
-    return {"accuracy": float((rewards >= 1.0).float().mean()) if len(rollouts) else 0.0,
-            "tool_rate": sum(map(used_tool, rollouts)) / n,
-            "tokens": sum(sampled) / n}
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
-"""Small helpers `main.py` uses around its loop: step seeds, the sampler, the metrics log, files, the run lock.
+"""Small helpers `main.py` uses around its loop: step seeds, the sampler, each step's episode stats, the
+metrics log, files, the run lock.
 
 The steps every loop shares (seeding, the LR schedule, the checked optimizer step, checkpoints)
 are the library's: `SimpleTorchLLMRL.utils.training` and `SimpleTorchLLMRL.utils.checkpoint`.
@@ -17,10 +18,15 @@ import socket
 import sys
 import threading
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+
+from SimpleTorchLLMRL.chat.message import MessageType, Rollout
 from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.recipes.calculator.arithmetic import used_tool
 from SimpleTorchLLMRL.recipes.calculator.cli import UsageError
 from SimpleTorchLLMRL.utils.jsonl import read_jsonl
 
@@ -72,6 +78,15 @@ class Sampler:
         gen.push_weights(model, mode="adapter" if self.adapter else "merged")
         if self.adapter:
             self.lora_request = gen.backend.lora_request
+
+
+def episode_stats(rollouts: Sequence[Rollout], rewards: torch.Tensor) -> dict[str, float]:
+    """Accuracy (reward == 1), tool-use rate, and sampled tokens per rollout."""
+    n = max(len(rollouts), 1)
+    sampled = [sum(len(m.token_ids or ()) for m in r if m.type is MessageType.MODEL) for r in rollouts]
+    return {"accuracy": float((rewards >= 1.0).float().mean()) if len(rollouts) else 0.0,
+            "tool_rate": sum(map(used_tool, rollouts)) / n,
+            "tokens": sum(sampled) / n}
 
 
 def trim_metrics(path: Path, last_step: int) -> None:
