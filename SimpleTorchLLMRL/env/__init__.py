@@ -4,7 +4,7 @@ from SimpleTorchLLMRL.env.base import Env, SingleTurnEnv
 from SimpleTorchLLMRL.env.code import CodeEnv, CodeScores, Verdict
 from SimpleTorchLLMRL.env.code_formats import CodeTests
 from SimpleTorchLLMRL.env.qa_solver import QASolverEnv
-from SimpleTorchLLMRL.env.rollouts import collect_rollouts
+from SimpleTorchLLMRL.env.rollouts import collect_rollouts, episode_rewards
 from SimpleTorchLLMRL.env.tool_use import ToolEpisode, ToolUseEnv, tool_stats
 from SimpleTorchLLMRL.env.triggers import CodeTrigger, NoneTrigger, Trigger, TriggerEnv, TriggerEpisode
 
@@ -24,6 +24,7 @@ __all__ = [
     "TriggerEpisode",
     "Verdict",
     "collect_rollouts",
+    "episode_rewards",
     "tool_stats",
 ]
 
