@@ -67,17 +67,26 @@ def test_the_token_path_names_the_route_it_needs(policy):
 
 
 def test_grpo_steps_on_verifiers_rollouts(policy):
+    """The episodes run concurrently, so the gateway's batches (and with them the samples) differ from run to
+    run: a step takes the first of up to four batches whose rewards differ within a group (a batch without
+    any spread has no gradient at all)."""
     model, tok, gen = policy
     gateway = Gateway(gen)
-    rewards = []
+    tries = []
 
     def step():
-        batch = collect("tiny_sum", gateway, tasks=2, group_size=3, sampling=SAMPLING)
-        rewards.append(batch.rewards)
+        for _ in range(4):
+            batch = collect("tiny_sum", gateway, tasks=2, group_size=3, sampling=SAMPLING)
+            tries.append(batch.failed)
+            groups = {}
+            for r, reward in zip(batch.rollouts, batch.rewards.tolist(), strict=True):
+                groups.setdefault(r.metadata["group_id"], set()).add(reward)
+            if any(len(rewards) > 1 for rewards in groups.values()):
+                break
         return batch.rollouts, batch.rewards
 
     grpo_steps(model, tok, step, steps=2)
-    assert all(len(r) == 6 for r in rewards)
+    assert set(tries) == {0} and len(tries) <= 8
 
 
 def test_the_docs_recipe_runs_as_written():
