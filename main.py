@@ -6,9 +6,10 @@
     uv run python main.py --output-dir runs/a --restart    # start that run over from step 0
     uv run python main.py --model Qwen/Qwen2.5-0.5B-Instruct --lora --dataset my.jsonl
     uv run python main.py --device cuda --gradient-checkpointing   # bf16 on a GPU (--device/--dtype auto)
+    uv run python main.py --dataset rg:basic_arithmetic --reward score_answer   # a reasoning-gym task
 
 Each step: take `--batch-size` questions -> `--group-size` multi-turn rollouts each (the model
-may call the calculator; the env answers) -> reward 1 for a correct \\boxed{} answer ->
+may call the calculator; the env answers) -> reward (`--reward`; default 1 for a correct \\boxed{} answer) ->
 GRPO loss -> optimizer step. Held-out greedy accuracy and pass@k are measured before
 training and every `--eval-every` steps. Everything lands in `--output-dir`:
 metrics.jsonl, curves.png, samples.txt, summary.md, final/ (save_pretrained), checkpoints/.
@@ -30,12 +31,19 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from SimpleTorchLLMRL import GRPO, BoxedReward, collect_rollouts
+from SimpleTorchLLMRL import GRPO, collect_rollouts
 from SimpleTorchLLMRL.env import ToolUseEnv
 from SimpleTorchLLMRL.env.async_rollouts import AsyncProducer, RolloutQueue, versions_after
 from SimpleTorchLLMRL.model.dropout import disable_dropout
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
-from SimpleTorchLLMRL.recipes.calculator.cli import UsageError, check_args, fail, load_policy, parse_args
+from SimpleTorchLLMRL.recipes.calculator.cli import (
+    UsageError,
+    check_args,
+    choose_reward,
+    fail,
+    load_policy,
+    parse_args,
+)
 from SimpleTorchLLMRL.recipes.calculator.data import DatasetError, batch_at, check_context, load_data
 from SimpleTorchLLMRL.recipes.calculator.evaluate import (
     accuracy_change,
@@ -72,11 +80,11 @@ from SimpleTorchLLMRL.utils.training import NonFiniteError, clipped_step, seed_e
 class Run:
     """What the phases share: the checked inputs (from `load`), then the pieces `build` makes."""
 
-    def __init__(self, args, model, tokenizer, env: ToolUseEnv, train_rows: list, held_out: list, out: Path,
-                 ckpt: Path | None, saved: dict | None):
+    def __init__(self, args, model, tokenizer, env: ToolUseEnv, train_rows: list, held_out: list, reward_fn,
+                 out: Path, ckpt: Path | None, saved: dict | None):
         self.args, self.model, self.tokenizer, self.env = args, model, tokenizer, env
         self.train_rows, self.held_out, self.out, self.ckpt, self.saved = train_rows, held_out, out, ckpt, saved
-        self.reward_fn: BoxedReward | None = None
+        self.reward_fn = reward_fn  # --reward: fn(rollouts, answers) -> (B,)
         self.grpo: GRPO | None = None
         self.optimizer = self.scheduler = None
         self.sampler: Sampler | None = None
@@ -96,21 +104,21 @@ def load(argv: list[str] | None, lock: RunLock) -> Run:
     if out.is_dir():
         lock.acquire(out)  # another run in this output dir: refused before the model loads
     train_rows, held_out = load_data(args.dataset, args.eval_size, args.seed)
+    reward_fn = choose_reward(args)
     model, tokenizer = load_policy(args)
     disable_dropout(model)  # on-policy ratios exactly 1 (a model with dropout trains a random sub-network)
     env = ToolUseEnv([calculator], custom_sys_prompt=SYSTEM_PROMPT, max_turns=args.max_turns)
     check_context(train_rows + held_out, env, tokenizer, model, args.max_new_tokens, args.dataset)
     lock.acquire(out)  # a new output dir is created here, once every input is checked
     ckpt, saved = resume_point(out, args, model)  # every setting compared before any weight is loaded
-    return Run(args, model, tokenizer, env, train_rows, held_out, out, ckpt, saved)
+    return Run(args, model, tokenizer, env, train_rows, held_out, reward_fn, out, ckpt, saved)
 
 
-# ---- 2. the pieces: reward, loss, optimizer, sampler; then resume into them
+# ---- 2. the pieces: loss, optimizer, sampler; then resume into them
 
 
 def build(run: Run) -> None:
     args, model = run.args, run.model
-    run.reward_fn = BoxedReward()  # 1.0 when the \boxed{} answer equals the answer
     run.grpo = GRPO(model, run.tokenizer, group_size=args.group_size, temperature=args.temperature, beta=0.0)
     params = [p for p in model.parameters() if p.requires_grad]
     run.optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)

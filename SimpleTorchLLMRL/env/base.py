@@ -36,7 +36,18 @@ class Env:
         raise NotImplementedError
 
     def reward(self, rollout: Rollout, state: Any) -> float | None:
-        """Optional per-episode reward; None means "use an external reward function"."""
+        """Optional per-episode reward; None means "use an external reward function".
+
+        `collect_rollouts` calls it once per finished episode (whatever ended it) and keeps a number
+        in `rollout.metadata["reward"]` (`episode_rewards` reads them back as a (B,) tensor). An env
+        that scores a whole batch at once (a `score(rollouts)` method, as `CodeEnv`) is left to its
+        caller instead.
+        """
+        return None
+
+    def close(self, state: Any) -> None:
+        """Release what `setup` acquired for the episode (a connection, a session): called once per
+        episode by `collect_rollouts`, after `reward`, however the episode ended."""
         return None
 
 

@@ -15,6 +15,8 @@ Metadata written on each rollout:
     "done_reason"  "env" (the env said done), "env_error" (step raised: the error is in
                    metadata["env_error"] and a TOOL message says so), "max_turns", or
                    "context" (the next prompt would not fit the model's context)
+    "reward"       `Env.reward(rollout, state)` when it gave a number (`episode_rewards` reads them)
+    "reward_error" what went wrong when `Env.reward` raised (no "reward" then; never a made-up 0)
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import copy
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import torch
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 
@@ -66,6 +70,50 @@ def _finish(rollout: Rollout, reason: str) -> None:
     rollout.metadata["done_reason"] = reason
 
 
+def scores_episodes(env) -> bool:
+    """Whether `collect_rollouts` asks `env.reward` for each episode: the env overrides `Env.reward` and
+    has no batch scorer `score(rollouts)` (CodeEnv: its caller runs the sandbox `workers` at a time)."""
+    from SimpleTorchLLMRL.env.base import Env
+
+    own = getattr(type(env), "reward", None)
+    return callable(own) and own is not Env.reward and not callable(getattr(env, "score", None))
+
+
+def _end_episode(env, rollout: Rollout, score: bool) -> None:
+    """`env.reward` into metadata (a raise is recorded, never scored), then `env.close`; never raises."""
+    state = rollout.metadata.get("env_state")
+    if score:
+        try:
+            value = env.reward(rollout, state)
+            if value is not None:
+                rollout.metadata["reward"] = _as_reward(value)
+        except Exception as e:  # noqa: BLE001  (a failing reward is data: the rollout carries no reward)
+            rollout.metadata["reward_error"] = f"{type(e).__name__}: {e}"
+    close = getattr(env, "close", None)
+    if callable(close):
+        try:
+            close(state)
+        except Exception as e:  # noqa: BLE001
+            rollout.metadata.setdefault("env_error", f"close: {type(e).__name__}: {e}")
+
+
+def _as_reward(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+        raise TypeError(f"Env.reward must return a finite number or None, got {value!r}")
+    return float(value)
+
+
+def episode_rewards(rollouts: Sequence[Rollout]) -> torch.Tensor:
+    """(B,) float32: each rollout's `metadata["reward"]` (set by `collect_rollouts` from `Env.reward`, by
+    `collect_game_rollouts`, or by an integration). ValueError naming the rollouts without one, and why."""
+    missing = [i for i, r in enumerate(rollouts) if "reward" not in r.metadata]
+    if missing:
+        first = rollouts[missing[0]].metadata
+        why = first.get("reward_error") or "its env gave no reward (Env.reward returned None): use a reward function"
+        raise ValueError(f"rollouts {missing[:10]} carry no metadata['reward'] (rollout {missing[0]}: {why})")
+    return torch.tensor([float(r.metadata["reward"]) for r in rollouts], dtype=torch.float32)  # (B,)
+
+
 def collect_rollouts(generator, env, questions: Sequence[Any], answers: Sequence[Any] | None = None,
                      group_size: int = 1, max_turns: int | None = None,
                      max_workers: int | None = None) -> list[Rollout]:
@@ -77,7 +125,9 @@ def collect_rollouts(generator, env, questions: Sequence[Any], answers: Sequence
     env: an `Env` (`setup(question, answer) -> (messages, state)`, `step(rollout, state) -> (messages,
     done)`); `setup` and `step` run concurrently in threads, so they must not share unguarded
     mutable state. A `step` that raises ends that episode with a TOOL message saying what failed;
-    a `setup` that raises propagates (there is no episode to record).
+    a `setup` that raises propagates (there is no episode to record). Once every episode has ended,
+    `env.reward(rollout, state)` (when the env scores episodes: `scores_episodes`) goes into
+    `metadata["reward"]`, then `env.close(state)` releases the episode's resources.
     max_turns: MODEL turns per episode (default: `env.max_turns`, else 10).
     """
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
@@ -94,33 +144,48 @@ def collect_rollouts(generator, env, questions: Sequence[Any], answers: Sequence
     rows = enumerate(zip(questions, answers, strict=True))
     jobs = [(q, a, gi) for gi, (q, a) in rows for _ in range(group_size)]  # R = Q * G, group-major
     tools = getattr(env, "tools", None)
-    workers = max_workers or min(32, len(jobs))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env") as pool:
-        rollouts = list(pool.map(lambda job: _setup(env, *job, tools), jobs))
-        active = list(range(len(rollouts)))
-        for turn in range(max_turns):
-            if turn > 0 and hasattr(generator, "fits"):
-                overflow = {i for i in active if not generator.fits(rollouts[i])}
-                for i in overflow:
-                    _finish(rollouts[i], "context")
-                active = [i for i in active if i not in overflow]
-            if not active:
-                break
-            generator.batch_rollout_generate_response([rollouts[i] for i in active])
-            for i in active:
-                rollouts[i].metadata["turns"] += 1
-            results = list(pool.map(lambda i: _step(env, rollouts[i]), active))
-            still = []
-            for i, (msgs, done, error) in zip(active, results, strict=True):
-                rollouts[i].add_messages(*msgs)
-                if error is not None:
-                    rollouts[i].metadata["env_error"] = error
-                    _finish(rollouts[i], "env_error")
-                elif done:
-                    _finish(rollouts[i], "env")
-                else:
-                    still.append(i)
-            active = still
-        for i in active:
-            _finish(rollouts[i], "max_turns")
+    score = scores_episodes(env)
+    with ThreadPoolExecutor(max_workers=max_workers or min(32, len(jobs)), thread_name_prefix="env") as pool:
+        started = [pool.submit(_setup, env, *job, tools) for job in jobs]
+        failed = next((f.exception() for f in started if f.exception() is not None), None)
+        if failed is not None:  # no batch to run: release the episodes that did start, then raise
+            list(pool.map(lambda r: _end_episode(env, r, False), [f.result() for f in started if not f.exception()]))
+            raise failed
+        rollouts = [f.result() for f in started]
+        try:
+            _run_turns(generator, env, rollouts, max_turns, pool)
+        except BaseException:
+            list(pool.map(lambda r: _end_episode(env, r, False), rollouts))
+            raise
+        list(pool.map(lambda r: _end_episode(env, r, score), rollouts))
     return rollouts
+
+
+def _run_turns(generator, env, rollouts: list[Rollout], max_turns: int, pool: ThreadPoolExecutor) -> None:
+    """Up to `max_turns` batched MODEL turns, each followed by the env's concurrent steps; sets done_reason."""
+    active = list(range(len(rollouts)))
+    for turn in range(max_turns):
+        if turn > 0 and hasattr(generator, "fits"):
+            overflow = {i for i in active if not generator.fits(rollouts[i])}
+            for i in overflow:
+                _finish(rollouts[i], "context")
+            active = [i for i in active if i not in overflow]
+        if not active:
+            break
+        generator.batch_rollout_generate_response([rollouts[i] for i in active])
+        for i in active:
+            rollouts[i].metadata["turns"] += 1
+        results = list(pool.map(lambda i: _step(env, rollouts[i]), active))
+        still = []
+        for i, (msgs, done, error) in zip(active, results, strict=True):
+            rollouts[i].add_messages(*msgs)
+            if error is not None:
+                rollouts[i].metadata["env_error"] = error
+                _finish(rollouts[i], "env_error")
+            elif done:
+                _finish(rollouts[i], "env")
+            else:
+                still.append(i)
+        active = still
+    for i in active:
+        _finish(rollouts[i], "max_turns")

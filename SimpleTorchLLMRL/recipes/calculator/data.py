@@ -2,6 +2,7 @@
 
     train, held_out = load_data(None, eval_size=200, seed=0)     # built-in synthetic arithmetic
     train, held_out = load_data("data.jsonl", eval_size=200, seed=0)
+    train, held_out = load_data("rg:basic_arithmetic", eval_size=200, seed=0)   # a reasoning-gym task
     rows = batch_at(train, position=16, batch_size=8, seed=0)    # rows 16..23 of the seeded order
 
 The order is a function of (seed, position) only, so a run resumed at a saved
@@ -19,6 +20,8 @@ from SimpleTorchLLMRL.utils.jsonl import jsonl_records
 
 REQUIRED_FIELDS = ("question", "answer")
 SYNTHETIC_TRAIN_SIZE = 20000
+RG_PREFIX = "rg:"  # --dataset rg:NAME: reasoning-gym's procedural task NAME
+RG_TRAIN_SIZE = 2000  # its training rows (the held-out rows are drawn beside them)
 
 
 class DatasetError(ValueError):
@@ -110,6 +113,23 @@ def check_rows(rows: list, spec: str) -> list[dict]:
     return [{"question": str(r["question"]), "answer": str(r["answer"])} for r in rows]
 
 
+@functools.lru_cache(maxsize=2)
+def rg_task(spec: str, size: int, seed: int):
+    """(rows, reward) of `--dataset rg:NAME` (`integrations.reasoning_gym.task`), made once per (spec, size, seed)."""
+    from SimpleTorchLLMRL.integrations import reasoning_gym
+
+    name = spec[len(RG_PREFIX):]
+    try:
+        return reasoning_gym.task(name, size=size, seed=seed)
+    except (ImportError, ValueError) as e:
+        raise DatasetError(f"--dataset {spec}: {str(e).splitlines()[0]}") from e
+
+
+def rg_size(eval_size: int) -> int:
+    """Rows drawn from a reasoning-gym task: the training rows and as many as are held out."""
+    return RG_TRAIN_SIZE + eval_size
+
+
 # ---------------------------------------------------------------- splits
 
 
@@ -120,7 +140,8 @@ def load_data(spec: str | None, eval_size: int, seed: int) -> tuple[list[dict], 
 
         return (build_dataset(SYNTHETIC_TRAIN_SIZE, seed=seed, split="train"),
                 build_dataset(eval_size, seed=seed + 1, split="test"))
-    rows = check_rows(read_rows(spec), spec)
+    rows = check_rows(rg_task(spec, rg_size(eval_size), seed)[0] if spec.startswith(RG_PREFIX) else read_rows(spec),
+                      spec)
     if len(rows) < 2:
         raise DatasetError(f"--dataset {spec}: needs at least 2 rows (training and held-out), has {len(rows)}")
     order = list(range(len(rows)))

@@ -28,7 +28,7 @@ from SimpleTorchLLMRL.utils.warn import warn_user
 # What the checkpoint's weights are (their names, shapes and meaning): compared before anything else.
 WEIGHT_FLAGS = ("model", "lora", "qlora", "lora_rank", "lora_alpha", "dtype")
 # What the run trains on and how (--steps may grow).
-RUN_FLAGS = ("dataset", "batch_size", "group_size", "lr", "seed", "temperature", "max_new_tokens", "max_turns",
+RUN_FLAGS = ("dataset", "reward", "batch_size", "group_size", "lr", "seed", "temperature", "max_new_tokens", "max_turns",
              "warmup_steps", "micro_batch_size")
 # config.json entries that say nothing about the weights
 _NOT_ARCHITECTURE = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "_commit_hash",
