@@ -107,7 +107,7 @@ def _rollouts(smoke: bool, device: str):
     import torch
 
     from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
-    from SimpleTorchLLMRL.trainer.GRPO import GRPO
+    from SimpleTorchLLMRL.trainer.grpo import GRPO
 
     shape, vocab = _gpu_shape(smoke)
     sides.configure(shape, device, "bfloat16")

@@ -19,7 +19,7 @@ from losses_helpers import (
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.testing.tiny import tiny_model
-from SimpleTorchLLMRL.trainer.GRPO import GRPO, TrainBatch
+from SimpleTorchLLMRL.trainer.grpo import GRPO, TrainBatch
 
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 2.0])
 

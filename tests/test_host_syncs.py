@@ -24,9 +24,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from SimpleTorchLLMRL.model.scoring import head_triton
 from SimpleTorchLLMRL.trainer.combine import LazyMetrics, combine_metrics
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
+from SimpleTorchLLMRL.trainer.grpo import GRPO
 from SimpleTorchLLMRL.trainer.off_policy import OffPolicy
-from SimpleTorchLLMRL.trainer.PPO import PPO
+from SimpleTorchLLMRL.trainer.ppo import PPO
 
 SYNC_OPS = {"_local_scalar_dense", "item", "nonzero", "allclose", "equal", "is_nonzero", "masked_select"}
 BOOL_INDEXED = {"index", "index_put", "index_put_", "_index_put_impl_"}  # a bool index is a nonzero inside

@@ -18,11 +18,11 @@ from SimpleTorchLLMRL.trainer.batch import old_and_tis as old_and_tis_at_old_pat
 from SimpleTorchLLMRL.trainer.combine import combine_metrics
 from SimpleTorchLLMRL.trainer.distill_loss import distill_loss, jsd_loss
 from SimpleTorchLLMRL.trainer.dpo import dpo_loss
-from SimpleTorchLLMRL.trainer.GRPO import GRPO, GRPOConfig
+from SimpleTorchLLMRL.trainer.grpo import GRPO, GRPOConfig
 from SimpleTorchLLMRL.trainer.grpo_loss import grpo_token_loss
 from SimpleTorchLLMRL.trainer.off_policy import OffPolicy
 from SimpleTorchLLMRL.trainer.options import ComputeOptions, UnknownOptionError
-from SimpleTorchLLMRL.trainer.PPO import PPO, PPOConfig
+from SimpleTorchLLMRL.trainer.ppo import PPO, PPOConfig
 from SimpleTorchLLMRL.trainer.ppo_loss import ppo_loss
 from SimpleTorchLLMRL.trainer.sft import sft_loss
 

@@ -13,9 +13,9 @@ from losses_helpers import assert_grads_close, grads, make_rollouts, naive_logpr
 
 from SimpleTorchLLMRL.chat.message import MessageType
 from SimpleTorchLLMRL.trainer.combine import combine_metrics
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
+from SimpleTorchLLMRL.trainer.grpo import GRPO
 from SimpleTorchLLMRL.trainer.off_policy import OffPolicy, correction_weights
-from SimpleTorchLLMRL.trainer.PPO import PPO
+from SimpleTorchLLMRL.trainer.ppo import PPO
 
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 2.0])
 CONFIGS = {

@@ -99,7 +99,7 @@ def test_sft_front_matches_float64_and_micro_batches(model, tok):
 
 
 def test_sft_mixes_with_grpo_as_a_weighted_sum(model, tok):
-    from SimpleTorchLLMRL.trainer.GRPO import GRPO
+    from SimpleTorchLLMRL.trainer.grpo import GRPO
 
     rollouts, demos = make_rollouts(2, 2), make_rollouts(1, 1)
     grpo, sft = GRPO(model, tok, group_size=2), SFT(model, tok)

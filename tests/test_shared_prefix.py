@@ -16,7 +16,7 @@ from SimpleTorchLLMRL.model.scoring.hidden import final_hidden_states
 from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 from SimpleTorchLLMRL.model.scoring.shared_prefix import first_positions, prefix_groups
 from SimpleTorchLLMRL.testing.tiny import tiny_model
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
+from SimpleTorchLLMRL.trainer.grpo import GRPO
 
 V = 300
 

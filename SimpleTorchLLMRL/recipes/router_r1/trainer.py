@@ -99,8 +99,8 @@ class RouterR1Trainer:
 
     # -- construction helpers
     def _algorithm(self):
-        from SimpleTorchLLMRL.trainer.GRPO import GRPO
-        from SimpleTorchLLMRL.trainer.PPO import PPO
+        from SimpleTorchLLMRL.trainer.grpo import GRPO
+        from SimpleTorchLLMRL.trainer.ppo import PPO
 
         t, g = self.config.trainer, self.config.generation
         ref = None
