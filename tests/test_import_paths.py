@@ -69,7 +69,8 @@ def test_the_rule_picks_the_front_door_then_the_package_then_the_module():
     assert canonical_path("SimpleTorchLLMRL.tools.calculator", "calculator") == "SimpleTorchLLMRL.tools"
     assert canonical_path("SimpleTorchLLMRL.recipes.router_r1.pool", "RoutingPool") == \
         "SimpleTorchLLMRL.recipes.router_r1"
-    assert canonical_path("SimpleTorchLLMRL.trainer.batch", "ComputeOptions") == "SimpleTorchLLMRL.trainer.options"
+    assert canonical_path("SimpleTorchLLMRL.trainer.options", "ComputeOptions") == \
+        "SimpleTorchLLMRL.model.scoring.logprobs"
     assert canonical_path("SimpleTorchLLMRL.model.scoring.logprobs", "token_logprobs") == \
         "SimpleTorchLLMRL.model.scoring.logprobs"
     assert canonical_path("SimpleTorchLLMRL.testing.tiny", "TINY_CALC") == "SimpleTorchLLMRL.testing.tiny"

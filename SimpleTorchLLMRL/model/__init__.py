@@ -2,7 +2,7 @@
 
 - `generation/`: how a turn is sampled (sampling, picker, constrain, the HF and vLLM backends,
   the fast decode, the vLLM engine and its stream, watch, weight_sync);
-- `scoring/`: per-token log-probs through the output head (logprobs, head, hidden, the kernels,
+- `scoring/`: per-token log-probs through the output head (logprobs, head, the kernels,
   shared_prefix, truncation, liger);
 - here: `generate` (ModelGenerate), `lora`, `adapters`, `dropout`.
 
@@ -35,13 +35,12 @@ MOVED = {  # old path -> new module; "module:name" rows: a name that left its mo
     "SimpleTorchLLMRL.model.truncation": f"{_S}.truncation",
     "SimpleTorchLLMRL.model.logprobs:check_vocabulary": f"{_S}.head",
     "SimpleTorchLLMRL.model.logprobs:model_vocab_size": f"{_S}.head",
-    "SimpleTorchLLMRL.model.logprobs:right_padded_attention": f"{_S}.hidden",
+    "SimpleTorchLLMRL.model.logprobs:right_padded_attention": f"{_S}.head",
     "SimpleTorchLLMRL.model.logprobs:PrefixPlan": f"{_S}.shared_prefix",
-    "SimpleTorchLLMRL.model.logprobs:causal_mask_4d": f"{_S}.shared_prefix",
+    "SimpleTorchLLMRL.model.logprobs:causal_mask_4d": f"{_S}.head",
     "SimpleTorchLLMRL.model.logprobs:check_shared_prefix": f"{_S}.shared_prefix",
-    "SimpleTorchLLMRL.model.logprobs:forward_last_logits": f"{_S}.shared_prefix",
-    "SimpleTorchLLMRL.model.logprobs:last_hidden": f"{_S}.shared_prefix",
-    "SimpleTorchLLMRL.model.logprobs:plan_shared_prefix": f"{_S}.shared_prefix",
+    "SimpleTorchLLMRL.model.logprobs:forward_last_logits": f"{_S}.head",
+    "SimpleTorchLLMRL.model.logprobs:last_hidden": f"{_S}.head",
     "SimpleTorchLLMRL.model.logprobs:shared_prefix_hidden_states": f"{_S}.shared_prefix",
 }
 
