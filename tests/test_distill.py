@@ -338,3 +338,60 @@ def test_share_prefix_gives_the_same_loss_and_gradients(student, teacher, tok):
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-5, abs=1e-6)
     for n, g in results[0][1].items():  # float32 summation order: within 1e-4 of each tensor's largest entry
         torch.testing.assert_close(results[1][1][n], g, rtol=1e-4, atol=1e-4 * float(g.abs().max()) + 1e-12)
+
+
+# ---------------------------------------------------------------- hostile teachers (issue 43): refused, named
+
+
+@pytest.mark.parametrize("bad", [-math.inf, math.nan, 50.0])
+def test_precomputed_teacher_logprobs_must_be_finite_and_at_most_0(student, teacher, tok, bad):
+    """-inf trained to loss inf and +50 to loss -51.5 before: now a ValueError naming rollout, message, position."""
+    rollouts = with_sampled_logprobs(make_rollouts(1, 2), student, tok, 1.0)
+    batch = rollouts_to_batch(rollouts, tok)
+    mask = trained_positions(batch)
+    attach_teacher_logprobs(rollouts, batch, hf_teacher_logprobs(teacher, batch, mask), mask)
+    j = next(i for i, m in enumerate(rollouts[1]) if m.token_ids is not None)  # the MODEL message
+    rollouts[1].metadata["teacher_logprobs"][j][2] = bad
+    t = int((batch.message_index[1] == j).nonzero()[2])
+    with pytest.raises(ValueError, match=rf"precomputed teacher log-prob {bad} at rollout 1, message {j} "
+                                         rf"\(its token 2\), token position {t}"):
+        Distill(student, tok, teacher="rollouts").calculate_loss(rollouts)
+
+
+def test_an_hf_teacher_that_gives_nan_is_refused(student, teacher, tok):
+    Distill(student, tok, teacher=teacher).prepare(make_rollouts(1, 2))  # a sound teacher, then its weights break
+    with torch.no_grad():
+        teacher.get_output_embeddings().weight[5, 0] = math.nan  # every logit row holds a NaN
+    with pytest.raises(ValueError, match=r"the HF teacher log-prob nan at rollout 0, message \d+ \(its token 0\)"):
+        Distill(student, tok, teacher=teacher).calculate_loss(make_rollouts(1, 2))
+
+
+def test_a_vllm_teacher_above_0_is_refused(student, tok, monkeypatch):
+    from tests.fake_vllm import Logprob, install_fake_vllm
+
+    vllm = install_fake_vllm(monkeypatch)
+    llm = vllm.LLM(str(TINY_CALC))
+    rollouts = with_sampled_logprobs(make_rollouts(1, 2), student, tok, 1.0)
+    at = int(trained_positions(rollouts_to_batch(rollouts, tok))[0].nonzero()[2])  # a trained token of rollout 0
+    honest = llm._prompt_logprobs
+    monkeypatch.setattr(llm, "_prompt_logprobs", lambda model, ids: [
+        row if row is None or t != at else {k: Logprob(0.5, 1) for k in row}
+        for t, row in enumerate(honest(model, ids))])
+    with pytest.raises(ValueError, match=rf"the vLLM teacher log-prob 0.5 at rollout 0, message \d+ \(its token 2\), "
+                                         rf"token position {at}"):
+        Distill(student, tok, teacher=llm).prepare(rollouts)
+
+
+def test_a_teacher_with_a_smaller_vocabulary_is_refused_before_any_forward(student, tok):
+    """An id the teacher cannot read raised IndexError from its embedding (a device-side assert on CUDA)."""
+    from SimpleTorchLLMRL.testing.tiny import tiny_model
+
+    small = tiny_model("qwen2", tok, vocab_size=len(tok) - 100)
+    with pytest.raises(ValueError, match="one vocabulary"):  # JSD compares full distributions: refused when built
+        Distill(student, tok, teacher=small, divergence="jsd")
+    rollouts = make_rollouts(1, 2)
+    high = len(tok) - 50  # an id the student reads and the teacher does not
+    rollouts[1][-1].token_ids = tok(rollouts[1][-1].content, add_special_tokens=False)["input_ids"] + [high]
+    with pytest.raises(ValueError, match=rf"rollout 1 holds token id {high} at position \d+, outside the teacher's "
+                                         rf"vocabulary of {len(tok) - 100} ids"):
+        Distill(student, tok, teacher=small).prepare(rollouts)

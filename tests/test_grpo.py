@@ -340,3 +340,28 @@ def test_grpo_on_one_screen_is_the_default_loss(temperature, qwen2_model, chatml
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-7)
     assert_grads_close(mine, grads(model))
     assert grpo.metrics["clip_frac"] > 0  # the clip binds on some tokens
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused_before_any_forward(qwen2_model, chatml_tokenizer):
+    """It raised IndexError from the embedding (on CUDA a device-side assert that ends the CUDA context)."""
+    class Boom(torch.nn.Module):
+        def forward(self, *a, **k):
+            raise AssertionError("no forward may run")
+
+    model, tok = qwen2_model, chatml_tokenizer
+    rollouts = make_rollouts(1, 3)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    rollouts[2][-1].token_ids = [5, vocab + 7, 6]
+    for algo in (GRPO(model, tok), GRPO(model, tok, beta=0.1, ref_model=Boom())):
+        with pytest.raises(ValueError, match=rf"rollout 2 holds token id {vocab + 7} at position \d+, outside the "
+                                             rf"model's vocabulary of {vocab} ids"):
+            algo.calculate_loss(rollouts, [1.0, 0.0, 0.5])
+
+
+def test_a_none_reward_is_refused_naming_its_rollout(qwen2_model, chatml_tokenizer):
+    """It raised a TypeError naming neither the rewards nor the rollout."""
+    grpo = GRPO(qwen2_model, chatml_tokenizer)
+    with pytest.raises(ValueError, match=r"rewards of rollouts \[1\] are None"):
+        grpo.calculate_loss(make_rollouts(1, 3), [1.0, None, 0.0])
+    with pytest.raises(ValueError, match=r"rewards of rollouts \[0, 2\] are None"):
+        grpo.prepare(make_rollouts(1, 3), (None, 1.0, None))

@@ -226,3 +226,19 @@ def test_multi_turn_pairs_train_only_their_model_turns(model, tok, ref):
     ids = prepared.batch.input_ids[1][prepared.mask[1].bool()].tolist()
     assert tok.decode(ids).startswith("I do not know the answer")
     assert "Try again" not in tok.decode(ids)
+
+
+def test_a_pair_whose_rendered_prompts_differ_is_refused(model, tok, ref):
+    """Tools in one rollout's metadata render a longer prompt (gateway rollouts always carry them): the pair's
+    text matched, so the loss came back 0.693 before; now a ValueError naming the pair."""
+    question = [Message("What is 312 + 85?")]
+    tools = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "expression": {"type": "string"}}}}}]
+    chosen = Rollout(question + [Message("The answer is \\boxed{397}.", MessageType.MODEL)], {"tools": tools})
+    rejected = Rollout(question + [Message("The answer is \\boxed{407}.", MessageType.MODEL)])
+    dpo = DPO(model, tok, ref_model=ref)
+    with pytest.raises(ValueError, match="DPO pair 0: .*different prompts .*tools and template arguments"):
+        dpo.calculate_loss([chosen], [rejected])
+    same = Rollout(question + [Message("The answer is \\boxed{407}.", MessageType.MODEL)], {"tools": tools})
+    assert torch.isfinite(dpo.calculate_loss([chosen], [same]))  # the same tools: one prompt
