@@ -253,7 +253,7 @@ class Distill:
     def compute(self, tb: P.TrainBatch, normalizer: float | None = None) -> L.LossOutput:
         """`LossOutput(loss, metrics, token_logprobs)` of a prepared (micro-)batch: the unit's metrics with the
         batch's (tensors until read); token_logprobs the student's (B, T), NaN where not trained."""
-        if not self._dropout_checked:
+        if self.model.training and not self._dropout_checked:  # once, when it trains
             self._dropout_checked = warn_if_dropout(self.name, self.model)
         if self.config.divergence == "jsd":
             out = self._jsd(tb, normalizer)

@@ -139,7 +139,7 @@ class DPO:
         (2P, T), NaN where not trained. normalizer: the FULL batch's pair count (a `split` keeps it)."""
         if len(tb) % 2:
             raise ValueError(f"a DPO micro-batch must hold whole pairs (an even number of rows); got {len(tb)}")
-        if not self._dropout_checked:
+        if self.model.training and not self._dropout_checked:  # once, when it trains
             self._dropout_checked = warn_if_dropout(self.name, self.model)
         out = P.run_unit(dpo_loss, self.config, self.model, tb, self.compute_options, normalizer)
         self.metrics, self.token_logprobs = out.metrics, out.token_logprobs  # the record of this call

@@ -328,7 +328,7 @@ class GRPO:
         """`LossOutput(loss, metrics, token_logprobs)` of a prepared (micro-)batch: metrics `grpo_loss`'s and the
         batch's (a `LazyMetrics`, tensors until read), token_logprobs (B, T), NaN where not trained.
         normalizer: the FULL batch's denominator when micro-batching yourself (a `split` keeps it)."""
-        if not self._dropout_checked:
+        if self.model.training and not self._dropout_checked:  # once, when it trains
             self._dropout_checked = warn_if_dropout(self.name, self.model)
         out = P.run_unit(grpo_loss, self.config, self.model, tb, self.compute_options, normalizer)
         self.metrics, self.token_logprobs = out.metrics, out.token_logprobs  # the record of this call

@@ -223,15 +223,14 @@ def train_batch(name: str, model, tokenizer, rollouts: list[Rollout], compute: C
                 temperature: float | None = None, rewards=None, normalizer: Callable[[torch.Tensor], float],
                 metrics: dict | None = None, follow_sampling: bool = True) -> TrainBatch:
     """rollouts -> (rewards checked) encode -> mask -> index -> prefix plan -> temperature: a `TrainBatch`.
-
-    temperature: the configured one; follow_sampling: the one recorded with the rollouts wins
-    (`resolve_temperature`), else the configured one (1.0 if None) is used as it is (SFT, DPO: the
-    data's likelihood). normalizer(mask) -> the full batch's denominator."""
+    normalizer(mask): the full batch's denominator. follow_sampling False (SFT, DPO: the data's likelihood):
+    the full softmax at the configured temperature (1.0), not the one or the truncation the rollouts record."""
     r = None if rewards is None else check_rewards(rewards, len(rollouts))
     batch = encode(name, rollouts, tokenizer, model, compute)
     mask = trained_mask(batch)
     plan = prefix_plan(batch, mask) if compute.share_prefix else None
     t = resolve_temperature(name, temperature, batch.sampling_temperature) if follow_sampling else temperature or 1.0
+    batch.truncation = batch.truncation if follow_sampling else None
     r = torch.zeros(len(rollouts)) if r is None else r
     return TrainBatch(batch, mask, r.to(mask.device), t, normalizer(mask), trained_index(mask), plan,
                       metrics={**(metrics or {}), "temperature": t})

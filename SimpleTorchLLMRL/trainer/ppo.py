@@ -223,7 +223,7 @@ class PPO:
     def compute(self, tb: P.TrainBatch, normalizer: float | None = None) -> L.LossOutput:
         """`LossOutput(loss, metrics, token_logprobs)` of a prepared (micro-)batch: `ppo_loss`'s metrics with the
         batch's, token_logprobs (B, T), NaN where not trained. normalizer: the FULL batch's trained tokens."""
-        if not self._dropout_checked:
+        if self.model.training and not self._dropout_checked:  # once, when it trains
             self._dropout_checked = warn_if_dropout(self.name, self.model)
         opts = self.compute_options
         hidden = hidden_states(self.model, tb, opts)  # (B, T, H)

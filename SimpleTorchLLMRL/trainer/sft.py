@@ -72,7 +72,7 @@ class SFT:
     def compute(self, tb: P.TrainBatch, normalizer: float | None = None) -> L.LossOutput:
         """`LossOutput(loss, metrics, token_logprobs)` of a prepared (micro-)batch; token_logprobs (B, T), NaN where
         not trained."""
-        if not self._dropout_checked:
+        if self.model.training and not self._dropout_checked:  # once, when it trains
             self._dropout_checked = warn_if_dropout(self.name, self.model)
         out = P.run_unit(sft_loss, self.config, self.model, tb, self.compute_options, normalizer)
         self.metrics, self.token_logprobs = out.metrics, out.token_logprobs  # the record of this call
