@@ -20,8 +20,8 @@ _FRONT_DOOR = {
     "SimpleTorchLLMRL.model.generate": ["ModelGenerate"],
     "SimpleTorchLLMRL.env.base": ["Env"],
     "SimpleTorchLLMRL.env.rollouts": ["collect_rollouts"],
-    "SimpleTorchLLMRL.trainer.GRPO": ["GRPO"],
-    "SimpleTorchLLMRL.trainer.PPO": ["PPO"],
+    "SimpleTorchLLMRL.trainer.grpo": ["GRPO"],
+    "SimpleTorchLLMRL.trainer.ppo": ["PPO"],
     "SimpleTorchLLMRL.reward.boxed": ["BoxedReward"],
     "SimpleTorchLLMRL.tools": ["tool", "ToolRegistry"],
 }

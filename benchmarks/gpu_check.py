@@ -107,7 +107,7 @@ def _rollouts(smoke: bool, device: str):
     import torch
 
     from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
-    from SimpleTorchLLMRL.trainer.GRPO import GRPO
+    from SimpleTorchLLMRL.trainer.grpo import GRPO
 
     shape, vocab = _gpu_shape(smoke)
     sides.configure(shape, device, "bfloat16")
@@ -300,8 +300,7 @@ def head_numerics(model, tb, n: int = 512, impls=("cpu", "gpu")) -> dict:
     |d entropy| and the max error of d logp / d h relative to its largest entry."""
     import torch
 
-    from SimpleTorchLLMRL.model.scoring.head import output_head
-    from SimpleTorchLLMRL.model.scoring.hidden import final_hidden_states
+    from SimpleTorchLLMRL.model.scoring.head import final_hidden_states, output_head
     from SimpleTorchLLMRL.model.scoring.logprobs import logprobs_from_hidden
 
     head = output_head(model)

@@ -120,7 +120,7 @@ def run_case(shape: dict, lora: bool, args, device, dtype, peak: float) -> dict:
 
     from SimpleTorchLLMRL.model.generate import ModelGenerate
     from SimpleTorchLLMRL.testing.tiny import tiny_tokenizer
-    from SimpleTorchLLMRL.trainer.GRPO import GRPO
+    from SimpleTorchLLMRL.trainer.grpo import GRPO
 
     tok = tiny_tokenizer("chatml")
     model = build(shape, tok, device, dtype, lora)

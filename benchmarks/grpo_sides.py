@@ -218,7 +218,7 @@ def run_ours(vocab: int, steps: int = 2, profile: str | None = None, share: bool
 
     from SimpleTorchLLMRL.chat.message import Message, Rollout
     from SimpleTorchLLMRL.model.generate import ModelGenerate
-    from SimpleTorchLLMRL.trainer.GRPO import GRPO
+    from SimpleTorchLLMRL.trainer.grpo import GRPO
 
     tok, model = _ours_model(vocab, liger, lora)
     G = RUN.shape.group

@@ -79,8 +79,8 @@ def _source_hashes() -> dict[str, str]:
 
     root = Path(__file__).resolve().parent.parent / "SimpleTorchLLMRL"
     files = ["model/generate.py", "model/generation/hf_backend.py", "model/scoring/logprobs.py",
-             "model/scoring/hidden.py", "model/scoring/head_kernels.py", "model/scoring/head_autograd.py",
-             "model/scoring/shared_prefix.py", "trainer/GRPO.py", "trainer/losses.py", "chat/tokenize.py"]
+             "model/scoring/head.py", "model/scoring/head_kernels.py", "trainer/pipeline.py",
+             "model/scoring/shared_prefix.py", "trainer/grpo.py", "trainer/losses.py", "chat/tokenize.py"]
     return {f: hashlib.sha1((root / f).read_bytes()).hexdigest()[:10] for f in files if (root / f).exists()}
 
 

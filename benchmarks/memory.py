@@ -89,7 +89,7 @@ def worker(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from SimpleTorchLLMRL.model.lora import apply_lora, load_qlora
-    from SimpleTorchLLMRL.trainer.GRPO import GRPO
+    from SimpleTorchLLMRL.trainer.grpo import GRPO
 
     torch.manual_seed(0)
     baseline_kb = _status_kb("VmRSS")

@@ -15,7 +15,7 @@ import torch
 
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.model.scoring import logprobs as _lp
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
+from SimpleTorchLLMRL.trainer.grpo import GRPO
 
 _proc = psutil.Process()
 

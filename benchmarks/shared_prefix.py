@@ -3,7 +3,7 @@
 Legend: U prompts, G completions per prompt, P prompt tokens, N completion tokens, H hidden size.
 
 A random-init Qwen2 with the Qwen2.5-0.5B layer shape (hidden 896, 14/2 heads, intermediate 4864)
-and --layers layers runs the U x G rows (P + N tokens each) through `final_hidden_states`, then a
+and --layers layers runs the U x G rows (P + N tokens each) through `shared_hidden_states`, then a
 loss on the completion positions' hidden states, then backward: once with every row running its
 whole sequence, once with each prompt run once (`start=`). Reported per variant: CPU seconds
 (median of --repeats), the bytes autograd saves for backward (parameters excluded), and the
@@ -22,7 +22,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from SimpleTorchLLMRL.model.scoring.hidden import final_hidden_states
+from SimpleTorchLLMRL.model.scoring.shared_prefix import shared_hidden_states
 
 
 def saved_bytes_and_seconds(model, ids, mask, start, w, needed) -> tuple[int, float, dict]:
@@ -38,7 +38,7 @@ def saved_bytes_and_seconds(model, ids, mask, start, w, needed) -> tuple[int, fl
     model.zero_grad(set_to_none=True)
     t0 = time.process_time()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        h = final_hidden_states(model, ids, mask, start=start, verify=False)  # (B, T, H)
+        h = shared_hidden_states(model, ids, mask, start=start, verify=False)  # (B, T, H)
         loss = (h * w * needed).sum()
     loss.backward()
     seconds = time.process_time() - t0
@@ -69,7 +69,7 @@ def main() -> None:
     start = torch.full((U * G,), P - 1)  # the last prompt position predicts the first completion token
     needed = (torch.arange(P + N)[None, :, None] >= P - 1).float()  # (1, T, 1)
     w = torch.randn(U * G, P + N, cfg.hidden_size)
-    final_hidden_states(model, ids, mask, start=start)  # warm-up, and the once-per-model check
+    shared_hidden_states(model, ids, mask, start=start)  # warm-up, and the once-per-model check
     rows = {}
     for name, s in (("plain", None), ("shared", start)):
         runs = [saved_bytes_and_seconds(model, ids, mask, s, w, needed) for _ in range(a.repeats)]

@@ -120,7 +120,7 @@ def main(argv=None) -> dict:
     env = ToolUseEnv([calculator], custom_sys_prompt=SYSTEM_PROMPT, max_turns=2)
     reward_fn = BoxedReward()
     train_rows, held_out = load_data(None, args.eval_size, args.seed)
-    distill = Distill(student, tokenizer, teacher)  # reverse KL to the teacher, nothing else
+    distill = Distill(student, tokenizer, teacher=teacher)  # reverse KL to the teacher, nothing else
     optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
 
     teacher_acc = held_out_accuracy(teacher, tokenizer, env, reward_fn, held_out, args, 0)

@@ -1,11 +1,14 @@
-"""Advantage estimators and reward shaping against naive float64 loops."""
+"""Advantage estimators (GRPO's group-relative ones, PPO's GAE) and reward shaping against naive float64 loops."""
 
 import math
 
 import pytest
 import torch
 
-from SimpleTorchLLMRL.trainer import advantages as A
+from SimpleTorchLLMRL.reward.length import overlong_penalty
+from SimpleTorchLLMRL.trainer import grpo as A
+from SimpleTorchLLMRL.trainer import pipeline
+from SimpleTorchLLMRL.trainer.ppo import gae, terminal_token_rewards
 
 
 def _naive_group_adv(r, g, scale, eps):
@@ -90,7 +93,7 @@ def test_gae_matches_naive_over_non_contiguous_mask(gamma, lam):
     rewards = torch.randn(3, 9, generator=g, dtype=torch.float64)
     values = torch.randn(3, 9, generator=g, dtype=torch.float64)
     mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1, 1, 1], [0, 1, 0, 1, 0, 1, 0, 1, 0]])
-    adv, ret = A.gae(rewards, values, mask, gamma, lam)
+    adv, ret = gae(rewards, values, mask, gamma, lam)
     n_adv, n_ret = _naive_gae(rewards, values, mask, gamma, lam)
     torch.testing.assert_close(adv, n_adv)
     torch.testing.assert_close(ret, n_ret)
@@ -98,44 +101,44 @@ def test_gae_matches_naive_over_non_contiguous_mask(gamma, lam):
         fut = torch.flip(torch.cumsum(torch.flip(rewards * mask, [1]), 1), [1])
         torch.testing.assert_close(adv, (fut - values) * mask)
     with pytest.raises(ValueError, match="gamma"):
-        A.gae(rewards, values, mask, gamma=1.5)
+        gae(rewards, values, mask, gamma=1.5)
 
 
 def test_terminal_token_rewards():
     mask = torch.tensor([[0, 1, 1, 0, 1, 0], [0, 0, 1, 1, 0, 0]])
-    out = A.terminal_token_rewards(torch.tensor([2.0, -1.0]), mask)
+    out = terminal_token_rewards(torch.tensor([2.0, -1.0]), mask)
     expect = torch.zeros(2, 6)
     expect[0, 4], expect[1, 3] = 2.0, -1.0
     torch.testing.assert_close(out, expect)
 
 
 def test_groups_helpers():
-    assert A.groups_from_size(6, 3).tolist() == [0, 0, 0, 1, 1, 1]
+    assert pipeline.groups_from_size(6, 3).tolist() == [0, 0, 0, 1, 1, 1]
     with pytest.raises(ValueError, match="group_size"):
-        A.groups_from_size(5, 3)
-    assert A.groups_from_keys(["b", "a", "b", "c"]).tolist() == [0, 1, 0, 2]
-    assert A.group_sizes(torch.tensor([0, 1, 0, 2])).tolist() == [2, 1, 2, 1]
+        pipeline.groups_from_size(5, 3)
+    assert pipeline.groups_from_keys(["b", "a", "b", "c"]).tolist() == [0, 1, 0, 2]
+    assert pipeline.group_sizes(torch.tensor([0, 1, 0, 2])).tolist() == [2, 1, 2, 1]
 
 
 def test_overlong_penalty_and_dynamic_sampling():
-    pen = A.overlong_penalty(torch.tensor([10, 80, 90, 100, 120]), max_length=100, cache_length=20)
+    pen = overlong_penalty(torch.tensor([10, 80, 90, 100, 120]), max_length=100, cache_length=20)
     torch.testing.assert_close(pen, torch.tensor([0.0, 0.0, -0.5, -1.0, -1.0]))
     with pytest.raises(ValueError, match="cache_length"):
-        A.overlong_penalty(torch.tensor([1]), max_length=10, cache_length=20)
+        overlong_penalty(torch.tensor([1]), max_length=10, cache_length=20)
     keep = A.nonconstant_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1, 2, 2]))
     assert keep.tolist() == [False, False, True, True, False, False]
 
 
 def test_rollout_groups_by_size_id_or_prompt_and_partial_ids_refused():
-    """The one grouping rule GRPO and Distill share (`A.rollout_groups`)."""
+    """The one grouping rule GRPO and Distill share (`pipeline.rollout_groups`)."""
     from SimpleTorchLLMRL.chat.message import Rollout
 
     def r(q, **meta):
         return Rollout.from_chat([{"role": "user", "content": q}, {"role": "assistant", "content": "x"}], **meta)
 
     same_prompt = [r("a"), r("b"), r("a")]
-    assert A.rollout_groups(same_prompt).tolist() == [0, 1, 0]
-    assert A.rollout_groups(same_prompt[:2] + [r("c")], group_size=3).tolist() == [0, 0, 0]
-    assert A.rollout_groups([r("a", group_id=7), r("a", group_id=3)]).tolist() == [0, 1]
+    assert pipeline.rollout_groups(same_prompt).tolist() == [0, 1, 0]
+    assert pipeline.rollout_groups(same_prompt[:2] + [r("c")], group_size=3).tolist() == [0, 0, 0]
+    assert pipeline.rollout_groups([r("a", group_id=7), r("a", group_id=3)]).tolist() == [0, 1]
     with pytest.raises(ValueError, match=r"group_id'\] is set on some rollouts but not on rollouts \[1\]"):
-        A.rollout_groups([r("a", group_id=7), r("a")])
+        pipeline.rollout_groups([r("a", group_id=7), r("a")])

@@ -82,7 +82,7 @@ def test_module_import_does_not_import_deepspeed():
 def test_zero2_grpo_step_matches_plain_torch(monkeypatch, chatml_tokenizer):  # pragma: no cover - needs GPU
     from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
     from SimpleTorchLLMRL.testing.tiny import tiny_model
-    from SimpleTorchLLMRL.trainer.GRPO import GRPO
+    from SimpleTorchLLMRL.trainer.grpo import GRPO
 
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517").items():
         monkeypatch.setenv(k, v)

@@ -14,14 +14,8 @@ from SimpleTorchLLMRL.chat.message import Rollout
 from SimpleTorchLLMRL.chat.tokenize import rollouts_to_batch
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC, tiny_tokenizer
 from SimpleTorchLLMRL.trainer.combine import combine_metrics
-from SimpleTorchLLMRL.trainer.distill import Distill
-from SimpleTorchLLMRL.trainer.distill_loss import (
-    distill_loss,
-    generalized_jsd,
-    jsd_loss,
-    reverse_kl_advantages,
-)
-from SimpleTorchLLMRL.trainer.losses import Clip
+from SimpleTorchLLMRL.trainer.distill import Distill, DistillConfig, distill_loss, generalized_jsd, jsd_loss
+from SimpleTorchLLMRL.trainer.losses import LossInputs
 from SimpleTorchLLMRL.trainer.teacher import attach_teacher_logprobs, hf_teacher_logprobs
 from tests.losses_helpers import (
     assert_grads_close,
@@ -65,7 +59,7 @@ def _tokens(seed=0, B=3, T=6, V=7):
 # ---------------------------------------------------------------- the reverse-KL unit
 
 
-@pytest.mark.parametrize("clip, rl, aggregate", [(None, False, "token_mean"), (Clip(0.2, 0.2), True, "token_mean"),
+@pytest.mark.parametrize("clip, rl, aggregate", [(None, False, "token_mean"), (0.2, True, "token_mean"),
                                                  (None, True, "sequence_mean_token_mean")])
 def test_distill_loss_matches_float64_reference(clip, rl, aggregate):
     logits, y, teacher, mask = _tokens()
@@ -73,8 +67,9 @@ def test_distill_loss_matches_float64_reference(clip, rl, aggregate):
     old = (lp.detach() + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(4),
                                            dtype=torch.float64)).clamp(max=0)
     adv_rl = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64) if rl else None
-    out = distill_loss(logprobs=lp, teacher_logprobs=teacher, mask=mask, old_logprobs=old, advantages=adv_rl,
-                       kl_coef=0.7, clip=clip, aggregate=aggregate)
+    out = distill_loss(LossInputs.from_tokens(mask, logprobs=lp, teacher_logprobs=teacher, old_logprobs=old,
+                                              advantages=adv_rl),
+                       DistillConfig(kl_coef=0.7, eps=clip, aggregate=aggregate))
     (g,) = torch.autograd.grad(out.loss, logits)
 
     # reference: A_t = -kl_coef (log p_old - log p_teacher) + A_rl; loss = -A r (or PPO-clip), aggregated
@@ -117,7 +112,9 @@ def test_expected_gradient_is_the_gradient_of_the_reverse_kl():
     value, grad = 0.0, torch.zeros(V, dtype=torch.float64)
     for y in range(V):
         lp = torch.log_softmax(z, 0)[y].view(1, 1)  # one sampled token, on-policy
-        out = distill_loss(logprobs=lp, teacher_logprobs=lt[y].view(1, 1), mask=torch.ones(1, 1))
+        mask = torch.tensor([[0, 1]])  # token 1, predicted from position 0
+        out = distill_loss(LossInputs.from_tokens(mask, logprobs=torch.cat([lp.detach(), lp], 1),
+                                                  teacher_logprobs=lt[y].view(1, 1).expand(1, 2)), DistillConfig())
         (gy,) = torch.autograd.grad(out.loss, z)
         w = float(ps[y].detach())
         value, grad = value + w * float(out.loss), grad + w * gy
@@ -125,19 +122,12 @@ def test_expected_gradient_is_the_gradient_of_the_reverse_kl():
     torch.testing.assert_close(grad, g_exact, rtol=1e-10, atol=1e-12)
 
 
-def test_reverse_kl_advantages_are_detached_and_masked():
-    lp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
-    a = reverse_kl_advantages(student_logprobs=lp, teacher_logprobs=torch.tensor([[-1.5, -1.0, -0.5]]),
-                              mask=torch.tensor([[0, 1, 1]]))
-    assert a.tolist() == [[0.0, 1.0, 0.0]] and not a.requires_grad  # -(-2 - (-1))
-
-
 def test_teacher_nan_on_a_trained_token_is_refused():
     lp = torch.zeros(1, 3)
+    x = lambda teacher, mask: LossInputs.from_tokens(torch.tensor(mask), logprobs=lp, teacher_logprobs=teacher)  # noqa: E731
     with pytest.raises(ValueError, match="NaN on a trained token"):
-        distill_loss(logprobs=lp, teacher_logprobs=torch.tensor([[0.0, math.nan, -1.0]]), mask=torch.ones(1, 3))
-    out = distill_loss(logprobs=lp, teacher_logprobs=torch.tensor([[math.nan, -1.0, -1.0]]),
-                       mask=torch.tensor([[0, 1, 1]]))
+        distill_loss(x(torch.tensor([[0.0, math.nan, -1.0]]), [[1, 1, 1]]), DistillConfig())
+    out = distill_loss(x(torch.tensor([[-1.0, math.nan, -1.0]]), [[0, 0, 1]]), DistillConfig())
     assert torch.isfinite(out.loss)
 
 
@@ -172,9 +162,11 @@ def test_jsd_loss_chunked_matches_float64_reference():
     h = torch.randn(N, H, generator=g, requires_grad=True)
     ht = torch.randn(N, H + 1, generator=g)
     y = torch.randint(V, (N,), generator=g)
-    w = torch.rand(N, generator=g)
-    out = jsd_loss(hidden=h, head=head, teacher_hidden=ht, teacher_head=teacher_head, targets=y, weight=w,
-                   beta=0.3, temperature=0.7, chunk_size=3)
+    row = torch.tensor([0, 0, 0, 1, 1, 2, 2])  # 3 rollouts: the sequence-mean-of-token-means weights
+    w = torch.tensor([1 / 3, 1 / 3, 1 / 3, 1 / 2, 1 / 2, 1 / 2, 1 / 2]) / 3
+    extra = dict(hidden=h, head=head, teacher_hidden=ht, teacher_head=teacher_head, targets=y, chunk_size=3)
+    inputs = LossInputs(None, row, 3, torch.bincount(row).float()[row], temperature=0.7, extra=extra)
+    out = jsd_loss(inputs, DistillConfig(divergence="jsd", jsd_beta=0.3, aggregate="sequence_mean_token_mean"))
     out.loss.backward()
     h64, W64 = h.detach().double().requires_grad_(), head.weight.detach().double().requires_grad_()
     zs, zt = h64 @ W64.T / 0.7, ht.double() @ teacher_head.weight.detach().double().T / 0.7
@@ -185,7 +177,7 @@ def test_jsd_loss_chunked_matches_float64_reference():
     torch.testing.assert_close(out.loss.double(), ref, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(head.weight.grad.double(), W64.grad, rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(out.logprobs.double(), s.gather(1, y[:, None])[:, 0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.token_logprobs.double(), s.gather(1, y[:, None])[:, 0], rtol=1e-5, atol=1e-6)
     assert teacher_head.weight.grad is None
 
 
@@ -211,7 +203,7 @@ def test_distill_front_matches_float64_reference(student, teacher, tok, sampled)
     rollouts = make_rollouts(2, 2)
     if sampled:
         rollouts = with_sampled_logprobs(rollouts, perturbed_copy(student, 0.02), tok, 1.0)  # off-policy a little
-    distill = Distill(student, tok, teacher, kl_coef=0.5)
+    distill = Distill(student, tok, teacher=teacher, kl_coef=0.5)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
     loss = distill.calculate_loss(rollouts, rewards)
     loss.backward()
@@ -226,7 +218,7 @@ def test_distill_front_matches_float64_reference(student, teacher, tok, sampled)
 
 def test_distill_micro_batches_sum_to_the_full_batch(student, teacher, tok):
     rollouts = make_rollouts(2, 3)
-    distill = Distill(student, tok, teacher)
+    distill = Distill(student, tok, teacher=teacher)
     prepared = distill.prepare(rollouts)
     full = distill.compute(prepared)
     full.loss.backward()
@@ -245,7 +237,7 @@ def test_distill_micro_batches_sum_to_the_full_batch(student, teacher, tok):
 
 def test_jsd_front_matches_float64_reference_and_micro_batches(student, teacher, tok):
     rollouts = make_rollouts(2, 2)
-    distill = Distill(student, tok, teacher, divergence="jsd", jsd_beta=0.5, chunk_size=5)
+    distill = Distill(student, tok, teacher=teacher, divergence="jsd", jsd_beta=0.5, chunk_size=5)
     prepared = distill.prepare(rollouts)
     distill.compute(prepared).loss.backward()
     g_full = grads(student)
@@ -268,21 +260,22 @@ def test_jsd_front_matches_float64_reference_and_micro_batches(student, teacher,
 
 
 def test_teacher_equal_to_student_gives_zero_reverse_kl(student, tok):
-    distill = Distill(student, tok, copy.deepcopy(student))
+    distill = Distill(student, tok, teacher=copy.deepcopy(student))
     loss = distill.calculate_loss(make_rollouts(2, 2))
     loss.backward()
     assert abs(float(distill.metrics["reverse_kl"])) < 1e-6 and abs(float(loss)) < 1e-6
     assert max(float(p.grad.abs().max()) for p in student.parameters() if p.grad is not None) < 1e-6
-    jsd = Distill(student, tok, copy.deepcopy(student), divergence="jsd")
+    jsd = Distill(student, tok, teacher=copy.deepcopy(student), divergence="jsd")
     assert abs(float(jsd.calculate_loss(make_rollouts(1, 2)))) < 1e-6
 
 
 def test_a_teacher_with_another_tokenizer_is_refused(student, tok):
     other = tiny_tokenizer("chatml")  # another vocabulary, the same template
-    distill = Distill(student, tok, copy.deepcopy(student), teacher_tokenizer=other)
+    distill = Distill(student, tok, teacher=copy.deepcopy(student), teacher_tokenizer=other)
     with pytest.raises(ValueError, match="teacher's tokenizer"):
         distill.calculate_loss(make_rollouts(1, 2))
-    same = Distill(student, tok, copy.deepcopy(student), teacher_tokenizer=AutoTokenizer.from_pretrained(TINY_CALC))
+    same = Distill(student, tok, teacher=copy.deepcopy(student),
+                   teacher_tokenizer=AutoTokenizer.from_pretrained(TINY_CALC))
     assert torch.isfinite(same.calculate_loss(make_rollouts(1, 2)))  # the same tokenizer loaded again passes
 
 
@@ -294,12 +287,12 @@ def test_precomputed_teacher_logprobs_on_the_rollouts(student, teacher, tok):
     attach_teacher_logprobs(rollouts, batch, scored, mask)
     stored = [Rollout.from_dict(r.to_dict()) for r in rollouts]  # survives a rollout file (plain JSON)
     assert stored[0].metadata["teacher_logprobs"][0] is None  # the system message
-    from_rollouts = Distill(student, tok, "rollouts").prepare(stored)
-    from_model = Distill(student, tok, teacher).prepare(rollouts)
+    from_rollouts = Distill(student, tok, teacher="rollouts").prepare(stored)
+    from_model = Distill(student, tok, teacher=teacher).prepare(rollouts)
     assert torch.equal(from_rollouts.teacher_logprobs, from_model.teacher_logprobs)
     bare = make_rollouts(1, 1)
     with pytest.raises(ValueError, match="no metadata\\['teacher_logprobs'\\]"):
-        Distill(student, tok, "rollouts").prepare(bare)
+        Distill(student, tok, teacher="rollouts").prepare(bare)
 
 
 def test_fake_vllm_teacher_matches_the_hf_teacher(student, tok, monkeypatch):
@@ -308,26 +301,26 @@ def test_fake_vllm_teacher_matches_the_hf_teacher(student, tok, monkeypatch):
     vllm = install_fake_vllm(monkeypatch)
     llm = vllm.LLM(str(TINY_CALC))  # the same weights as a fresh student
     rollouts = with_sampled_logprobs(make_rollouts(2, 2), student, tok, 1.0)
-    from_engine = Distill(student, tok, llm).prepare(rollouts)
-    from_hf = Distill(student, tok, copy.deepcopy(student)).prepare(rollouts)
+    from_engine = Distill(student, tok, teacher=llm).prepare(rollouts)
+    from_hf = Distill(student, tok, teacher=copy.deepcopy(student)).prepare(rollouts)
     m = from_hf.mask.bool()
     assert (from_engine.teacher_logprobs[~m] == 0).all()
     torch.testing.assert_close(from_engine.teacher_logprobs[m], from_hf.teacher_logprobs[m], rtol=0, atol=2e-5)
     with pytest.raises(ValueError, match="temperature 1"):
-        Distill(student, tok, llm).prepare(with_sampled_logprobs(make_rollouts(1, 2), student, tok, 0.7))
+        Distill(student, tok, teacher=llm).prepare(with_sampled_logprobs(make_rollouts(1, 2), student, tok, 0.7))
 
 
 def test_bad_options_are_named(student, tok, teacher):
     with pytest.raises(ValueError, match="divergence"):
-        Distill(student, tok, teacher, divergence="kl")
+        Distill(student, tok, teacher=teacher, divergence="kl")
     with pytest.raises(ValueError, match="unknown options"):
-        Distill(student, tok, teacher, beta=0.1)
+        Distill(student, tok, teacher=teacher, beta=0.1)
     with pytest.raises(ValueError, match="full distribution"):
-        Distill(student, tok, "rollouts", divergence="jsd")
+        Distill(student, tok, teacher="rollouts", divergence="jsd")
     with pytest.raises(ValueError, match="student itself"):
-        Distill(student, tok, student)
+        Distill(student, tok, teacher=student)
     with pytest.raises(ValueError, match="teacher="):
-        Distill(student, tok, 3)
+        Distill(student, tok, teacher=3)
 
 
 def test_share_prefix_gives_the_same_loss_and_gradients(student, teacher, tok):
@@ -337,7 +330,7 @@ def test_share_prefix_gives_the_same_loss_and_gradients(student, teacher, tok):
     results = []
     for share in (False, True):
         student.zero_grad()
-        loss = Distill(student, tok, teacher, share_prefix=share).calculate_loss(rollouts)
+        loss = Distill(student, tok, teacher=teacher, share_prefix=share).calculate_loss(rollouts)
         loss = loss + DPO(student, tok, ref_model=teacher, share_prefix=share).calculate_loss(rollouts[:2],
                                                                                               rollouts[1:3])
         loss.backward()
@@ -345,3 +338,60 @@ def test_share_prefix_gives_the_same_loss_and_gradients(student, teacher, tok):
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-5, abs=1e-6)
     for n, g in results[0][1].items():  # float32 summation order: within 1e-4 of each tensor's largest entry
         torch.testing.assert_close(results[1][1][n], g, rtol=1e-4, atol=1e-4 * float(g.abs().max()) + 1e-12)
+
+
+# ---------------------------------------------------------------- hostile teachers (issue 43): refused, named
+
+
+@pytest.mark.parametrize("bad", [-math.inf, math.nan, 50.0])
+def test_precomputed_teacher_logprobs_must_be_finite_and_at_most_0(student, teacher, tok, bad):
+    """-inf trained to loss inf and +50 to loss -51.5 before: now a ValueError naming rollout, message, position."""
+    rollouts = with_sampled_logprobs(make_rollouts(1, 2), student, tok, 1.0)
+    batch = rollouts_to_batch(rollouts, tok)
+    mask = trained_positions(batch)
+    attach_teacher_logprobs(rollouts, batch, hf_teacher_logprobs(teacher, batch, mask), mask)
+    j = next(i for i, m in enumerate(rollouts[1]) if m.token_ids is not None)  # the MODEL message
+    rollouts[1].metadata["teacher_logprobs"][j][2] = bad
+    t = int((batch.message_index[1] == j).nonzero()[2])
+    with pytest.raises(ValueError, match=rf"precomputed teacher log-prob {bad} at rollout 1, message {j} "
+                                         rf"\(its token 2\), token position {t}"):
+        Distill(student, tok, teacher="rollouts").calculate_loss(rollouts)
+
+
+def test_an_hf_teacher_that_gives_nan_is_refused(student, teacher, tok):
+    Distill(student, tok, teacher=teacher).prepare(make_rollouts(1, 2))  # a sound teacher, then its weights break
+    with torch.no_grad():
+        teacher.get_output_embeddings().weight[5, 0] = math.nan  # every logit row holds a NaN
+    with pytest.raises(ValueError, match=r"the HF teacher log-prob nan at rollout 0, message \d+ \(its token 0\)"):
+        Distill(student, tok, teacher=teacher).calculate_loss(make_rollouts(1, 2))
+
+
+def test_a_vllm_teacher_above_0_is_refused(student, tok, monkeypatch):
+    from tests.fake_vllm import Logprob, install_fake_vllm
+
+    vllm = install_fake_vllm(monkeypatch)
+    llm = vllm.LLM(str(TINY_CALC))
+    rollouts = with_sampled_logprobs(make_rollouts(1, 2), student, tok, 1.0)
+    at = int(trained_positions(rollouts_to_batch(rollouts, tok))[0].nonzero()[2])  # a trained token of rollout 0
+    honest = llm._prompt_logprobs
+    monkeypatch.setattr(llm, "_prompt_logprobs", lambda model, ids: [
+        row if row is None or t != at else {k: Logprob(0.5, 1) for k in row}
+        for t, row in enumerate(honest(model, ids))])
+    with pytest.raises(ValueError, match=rf"the vLLM teacher log-prob 0.5 at rollout 0, message \d+ \(its token 2\), "
+                                         rf"token position {at}"):
+        Distill(student, tok, teacher=llm).prepare(rollouts)
+
+
+def test_a_teacher_with_a_smaller_vocabulary_is_refused_before_any_forward(student, tok):
+    """An id the teacher cannot read raised IndexError from its embedding (a device-side assert on CUDA)."""
+    from SimpleTorchLLMRL.testing.tiny import tiny_model
+
+    small = tiny_model("qwen2", tok, vocab_size=len(tok) - 100)
+    with pytest.raises(ValueError, match="one vocabulary"):  # JSD compares full distributions: refused when built
+        Distill(student, tok, teacher=small, divergence="jsd")
+    rollouts = make_rollouts(1, 2)
+    high = len(tok) - 50  # an id the student reads and the teacher does not
+    rollouts[1][-1].token_ids = tok(rollouts[1][-1].content, add_special_tokens=False)["input_ids"] + [high]
+    with pytest.raises(ValueError, match=rf"rollout 1 holds token id {high} at position \d+, outside the teacher's "
+                                         rf"vocabulary of {len(tok) - 100} ids"):
+        Distill(student, tok, teacher=small).prepare(rollouts)

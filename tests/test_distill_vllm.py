@@ -29,8 +29,8 @@ def test_real_vllm_teacher_matches_the_hf_teacher():
     llm = make_llm(TINY_CALC, temperature=1.0, max_model_len=1024, enforce_eager=True)  # the same weights
     try:
         rollouts = with_sampled_logprobs(make_rollouts(2, 2), student, tok, 1.0)
-        from_engine = Distill(student, tok, llm).prepare(rollouts)
-        from_hf = Distill(student, tok, copy.deepcopy(student).eval()).prepare(rollouts)
+        from_engine = Distill(student, tok, teacher=llm).prepare(rollouts)
+        from_hf = Distill(student, tok, teacher=copy.deepcopy(student).eval()).prepare(rollouts)
     finally:
         del llm
     m = from_hf.mask.bool()

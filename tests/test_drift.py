@@ -9,7 +9,7 @@ from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import Batch, rollouts_to_batch
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.trainer.drift import logprob_drift
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
+from SimpleTorchLLMRL.trainer.grpo import GRPO
 
 U, M = MessageType.MESSAGE, MessageType.MODEL
 nan = float("nan")

@@ -45,7 +45,7 @@ def make_rollouts(tokenizer, seed: int = 0):
 
 def grpo_step(model, tokenizer, rollouts, rewards, *, beta: float, loss_type: str, normalizer=None, params=None):
     """One GRPO loss + SGD step; returns the loss (a tensor)."""
-    from SimpleTorchLLMRL.trainer.GRPO import GRPO
+    from SimpleTorchLLMRL.trainer.grpo import GRPO
 
     grpo = GRPO(model, tokenizer, beta=beta, group_size=GROUP, loss_type=loss_type)
     params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
@@ -93,7 +93,7 @@ def _worker(out_path: str) -> None:
     )
     from SimpleTorchLLMRL.model.generation.weight_sync import adapter_weights, export_adapter, vllm_weights
     from SimpleTorchLLMRL.testing.tiny import tiny_tokenizer
-    from SimpleTorchLLMRL.trainer.GRPO import GRPO
+    from SimpleTorchLLMRL.trainer.grpo import GRPO
 
     torch.set_num_threads(1)
     info = init_distributed(backend="gloo", device="cpu")

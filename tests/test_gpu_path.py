@@ -28,8 +28,8 @@ from losses_helpers import (
 from test_grpo import REWARDS, _naive_adv, _naive_loss
 
 from SimpleTorchLLMRL.model.scoring import head_triton
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
-from SimpleTorchLLMRL.trainer.PPO import PPO
+from SimpleTorchLLMRL.trainer.grpo import GRPO
+from SimpleTorchLLMRL.trainer.ppo import PPO
 
 BF16_LOSS_ATOL = 1e-3  # measured 1.4e-5 (loss 0.054) on the tiny Qwen2 in bf16 against its float64 copy
 BF16_GRAD_RTOL = 0.03  # of each tensor's largest gradient entry; measured 0.0097

@@ -19,7 +19,9 @@ from losses_helpers import (
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.testing.tiny import tiny_model
-from SimpleTorchLLMRL.trainer.GRPO import GRPO, TrainBatch
+from SimpleTorchLLMRL.trainer.grpo import GRPO
+from SimpleTorchLLMRL.trainer.off_policy import OffPolicy
+from SimpleTorchLLMRL.trainer.pipeline import TrainBatch
 
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 2.0])
 
@@ -189,7 +191,7 @@ def test_bad_inputs_raise_value_errors(qwen2_model, chatml_tokenizer):
     for kwargs, name in [({"loss_type": "ppo"}, "loss_type"), ({"eps": 1.5}, "eps"), ({"eps_high": -1}, "eps_high"),
                          ({"scale_rewards": "max"}, "scale_rewards"), ({"temperature": 0}, "temperature"),
                          ({"importance_sampling_level": "chunk"}, "importance_sampling_level"),
-                         ({"kl_estimator": "k4"}, "kl_estimator"), ({"tis_cap": 0}, "tis_cap"),
+                         ({"kl_estimator": "k4"}, "kl_estimator"),
                          ({"group_size": 0}, "group_size"), ({"learning_rate": 1}, "unknown options"),
                          ({"beta": 0.1}, "reference")]:
         with pytest.raises(ValueError, match=name):
@@ -232,7 +234,7 @@ def test_temperature_like_with_like(qwen2_model, chatml_tokenizer):
 def test_truncated_importance_sampling(qwen2_model, chatml_tokenizer):
     model, tok = qwen2_model, chatml_tokenizer
     rollouts = with_sampled_logprobs(make_rollouts(1, 3), model, tok, temperature=1.0, shift=0.3)
-    grpo = GRPO(model, tok, tis_cap=1.2)
+    grpo = GRPO(model, tok, off_policy=OffPolicy.tis(1.2))
     loss = grpo.calculate_loss(rollouts, REWARDS[:3])
     batch = batch_of(rollouts, tok)
     with torch.no_grad():
@@ -318,3 +320,48 @@ def test_gpt2_without_chat_template(gpt2_model, plain_tokenizer):
     loss.backward()
     assert torch.isfinite(loss) and grpo.group_index(rollouts).tolist() == [0, 0, 1, 1]
     assert gpt2_model.transformer.wte.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_grpo_on_one_screen_is_the_default_loss(temperature, qwen2_model, chatml_tokenizer):
+    """`trainer.reference.grpo_reference`, the readable definition, equals the real path: value and gradients."""
+    from SimpleTorchLLMRL.trainer.reference import grpo_reference
+
+    model, tok = qwen2_model, chatml_tokenizer
+    rollouts = with_sampled_logprobs(make_rollouts(2, 3), model, tok, temperature=temperature, shift=0.3)
+    rollouts[1] = make_rollouts(2, 3)[1]  # one rollout without sampled log-probs: the current policy is its old one
+    grpo = GRPO(model, tok)
+    loss = grpo.calculate_loss(rollouts, REWARDS)
+    loss.backward()
+    mine = grads(model)
+    model.zero_grad()
+    ref = grpo_reference(model, tok, rollouts, REWARDS)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-7)
+    assert_grads_close(mine, grads(model))
+    assert grpo.metrics["clip_frac"] > 0  # the clip binds on some tokens
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused_before_any_forward(qwen2_model, chatml_tokenizer):
+    """It raised IndexError from the embedding (on CUDA a device-side assert that ends the CUDA context)."""
+    class Boom(torch.nn.Module):
+        def forward(self, *a, **k):
+            raise AssertionError("no forward may run")
+
+    model, tok = qwen2_model, chatml_tokenizer
+    rollouts = make_rollouts(1, 3)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    rollouts[2][-1].token_ids = [5, vocab + 7, 6]
+    for algo in (GRPO(model, tok), GRPO(model, tok, beta=0.1, ref_model=Boom())):
+        with pytest.raises(ValueError, match=rf"rollout 2 holds token id {vocab + 7} at position \d+, outside the "
+                                             rf"model's vocabulary of {vocab} ids"):
+            algo.calculate_loss(rollouts, [1.0, 0.0, 0.5])
+
+
+def test_a_none_reward_is_refused_naming_its_rollout(qwen2_model, chatml_tokenizer):
+    """It raised a TypeError naming neither the rewards nor the rollout."""
+    grpo = GRPO(qwen2_model, chatml_tokenizer)
+    with pytest.raises(ValueError, match=r"rewards of rollouts \[1\] are None"):
+        grpo.calculate_loss(make_rollouts(1, 3), [1.0, None, 0.0])
+    with pytest.raises(ValueError, match=r"rewards of rollouts \[0, 2\] are None"):
+        grpo.prepare(make_rollouts(1, 3), (None, 1.0, None))

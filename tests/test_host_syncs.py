@@ -23,10 +23,11 @@ from losses_helpers import make_rollouts, perturbed_copy, with_sampled_logprobs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from SimpleTorchLLMRL.model.scoring import head_triton
-from SimpleTorchLLMRL.trainer.combine import LazyMetrics, combine_metrics
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
+from SimpleTorchLLMRL.trainer.combine import combine_metrics
+from SimpleTorchLLMRL.trainer.grpo import GRPO
+from SimpleTorchLLMRL.trainer.losses import LazyMetrics
 from SimpleTorchLLMRL.trainer.off_policy import OffPolicy
-from SimpleTorchLLMRL.trainer.PPO import PPO
+from SimpleTorchLLMRL.trainer.ppo import PPO
 
 SYNC_OPS = {"_local_scalar_dense", "item", "nonzero", "allclose", "equal", "is_nonzero", "masked_select"}
 BOOL_INDEXED = {"index", "index_put", "index_put_", "_index_put_impl_"}  # a bool index is a nonzero inside
@@ -93,7 +94,7 @@ def setup(qwen2_model, chatml_tokenizer):
 def test_grpo_loss_and_backward_wait_for_nothing(loss_type, fused, impl, setup):
     model, tok, rollouts = setup
     grpo = GRPO(model, tok, beta=0.1, ref_model=perturbed_copy(model), loss_type=loss_type, group_size=3,
-                max_tokens=40, tis_cap=2.0, fused=fused, head_impl=impl, chunk_size=8)
+                max_tokens=40, off_policy=OffPolicy.tis(2.0), fused=fused, head_impl=impl, chunk_size=8)
     prepared = grpo.prepare(rollouts, REWARDS)
     grpo.calculate_loss(prepared).backward()  # the once-per-model checks (the head's logits) run here
     model.zero_grad()
@@ -173,7 +174,8 @@ def test_micro_batches_wait_for_nothing_and_combine_to_the_full_batch(impl, shar
 @pytest.mark.parametrize("impl", IMPLS)
 def test_ppo_loss_and_backward_wait_for_nothing(impl, setup):
     model, tok, rollouts = setup
-    ppo = PPO(model, tok, beta=0.05, ref_model=perturbed_copy(model), tis_cap=2.0, head_impl=impl, chunk_size=8)
+    ppo = PPO(model, tok, beta=0.05, ref_model=perturbed_copy(model), off_policy=OffPolicy.tis(2.0), head_impl=impl,
+              chunk_size=8)
     prepared = ppo.prepare(rollouts, REWARDS)
     ppo.calculate_loss(prepared).backward()
     model.zero_grad()

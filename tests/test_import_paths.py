@@ -61,12 +61,14 @@ def off_path_imports(where: str, source: str) -> list[str]:
 
 
 def test_the_rule_picks_the_front_door_then_the_package_then_the_module():
-    assert canonical_path("SimpleTorchLLMRL.trainer.GRPO", "GRPO") == LIB
+    assert canonical_path("SimpleTorchLLMRL.trainer.grpo", "GRPO") == LIB
     assert canonical_path("SimpleTorchLLMRL.env.ToolQASolve", "ToolUseEnv") == "SimpleTorchLLMRL.env"
     assert canonical_path("SimpleTorchLLMRL.tools.base", "calculator") == "SimpleTorchLLMRL.tools"
     assert canonical_path("SimpleTorchLLMRL.recipes.router_r1.pool", "RoutingPool") == \
         "SimpleTorchLLMRL.recipes.router_r1"
     assert canonical_path("SimpleTorchLLMRL.utils.checkpoint", "warn_user") == "SimpleTorchLLMRL.utils.warn"
+    assert canonical_path("SimpleTorchLLMRL.trainer.options", "ComputeOptions") == \
+        "SimpleTorchLLMRL.model.scoring.logprobs"
     assert canonical_path("SimpleTorchLLMRL.model.scoring.logprobs", "token_logprobs") == \
         "SimpleTorchLLMRL.model.scoring.logprobs"
     assert canonical_path("SimpleTorchLLMRL.testing.tiny", "TINY_CALC") == "SimpleTorchLLMRL.testing.tiny"

@@ -253,7 +253,7 @@ def test_utils_imports_no_library_package():
 @pytest.mark.parametrize("module,line,problem", [
     ("utils/checkpoint.py", "from SimpleTorchLLMRL.model.lora import is_peft_model",
      "utils imports model, above it"),
-    ("model/generate.py", "    from SimpleTorchLLMRL.trainer.GRPO import GRPO  # lazily",
+    ("model/generate.py", "    from SimpleTorchLLMRL.trainer.grpo import GRPO  # lazily",
      "model imports trainer, above it"),
     ("tools/base.py", "from SimpleTorchLLMRL.reward.boxed import BoxedReward", "tools imports reward, on its own line"),
     ("chat/message.py", "from SimpleTorchLLMRL import Rollout", "chat imports the front door"),
@@ -334,3 +334,20 @@ def test_scoring_imports_no_other_part_of_model():
                for m, targets in import_graph().items() if m.startswith(scoring)}
     assert len(outside) >= 8
     assert {m: t for m, t in outside.items() if t} == {}
+
+
+def generation_imports(graph: dict[str, set[str]], package: str = f"{ROOT}.trainer") -> dict[str, list[str]]:
+    """The modules of `package` that import the generation side of `model` (model/generation, model/generate)."""
+    generation = (f"{ROOT}.model.generation", f"{ROOT}.model.generate")
+    found = {m: sorted(t for t in targets if t.startswith(generation)) for m, targets in graph.items()
+             if m == package or m.startswith(f"{package}.")}
+    return {m: t for m, t in found.items() if t}
+
+
+def test_the_trainer_never_imports_generation():
+    """docs/architecture.md: the trainer uses scoring and the weights, never generation (also not inside a function)."""
+    graph = import_graph()
+    assert len([m for m in graph if m.startswith(f"{ROOT}.trainer.")]) >= 8
+    assert generation_imports(graph) == {}
+    bad = {**graph, f"{ROOT}.trainer.x": {f"{ROOT}.model.generation.vllm_engine"}}  # the check can fail
+    assert generation_imports(bad) == {f"{ROOT}.trainer.x": [f"{ROOT}.model.generation.vllm_engine"]}

@@ -1,5 +1,5 @@
-"""One contract for every loss unit: keyword-only token tensors named by source in, `LossOutput` out, metrics
-as 0-dim tensors; one front shape for GRPO and PPO; one aggregator per name; one DAPO overlong penalty."""
+"""One contract for every loss unit: `fn(LossInputs, config) -> LossOutput`, metrics as 0-dim tensors that carry
+their reduction; one front shape whose options are written once (in the configs); one DAPO overlong penalty."""
 
 import inspect
 
@@ -9,20 +9,16 @@ from losses_helpers import assert_grads_close, grads, make_rollouts, perturbed_c
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.reward.length import OverlongPenalty, overlong_penalty
-from SimpleTorchLLMRL.trainer import advantages as A
 from SimpleTorchLLMRL.trainer import losses as L
-from SimpleTorchLLMRL.trainer.batch import StepOutput
-from SimpleTorchLLMRL.trainer.batch import old_and_tis as old_and_tis_at_old_path
+from SimpleTorchLLMRL.trainer import pipeline
 from SimpleTorchLLMRL.trainer.combine import combine_metrics
-from SimpleTorchLLMRL.trainer.distill_loss import distill_loss, jsd_loss
-from SimpleTorchLLMRL.trainer.dpo import dpo_loss
-from SimpleTorchLLMRL.trainer.GRPO import GRPO, GRPOConfig
-from SimpleTorchLLMRL.trainer.grpo_loss import grpo_token_loss
+from SimpleTorchLLMRL.trainer.distill import DistillConfig, distill_loss, jsd_loss
+from SimpleTorchLLMRL.trainer.dpo import DPOConfig, dpo_loss
+from SimpleTorchLLMRL.trainer.grpo import GRPO, GRPOConfig, grpo_loss
 from SimpleTorchLLMRL.trainer.off_policy import OffPolicy
 from SimpleTorchLLMRL.trainer.options import ComputeOptions, UnknownOptionError
-from SimpleTorchLLMRL.trainer.PPO import PPO, PPOConfig
-from SimpleTorchLLMRL.trainer.ppo_loss import ppo_loss
-from SimpleTorchLLMRL.trainer.sft import sft_loss
+from SimpleTorchLLMRL.trainer.ppo import PPO, PPOConfig, ppo_loss
+from SimpleTorchLLMRL.trainer.sft import SFTConfig, sft_loss
 
 REWARDS = [1.0, 0.0, 0.5, 0.0, 0.0, 2.0]
 
@@ -38,27 +34,27 @@ def _tokens(B=4, T=7, seed=0):
 
 
 def _units():
-    """Each loss unit called on synthetic (B, T) tensors with keyword-only inputs named by source."""
+    """Each loss unit called as `fn(inputs, config)` on synthetic (B, T) tensors turned into `LossInputs`."""
     logp, old, mask, g = _tokens()
     B, T = mask.shape
     adv = torch.randn(B, generator=g, dtype=torch.float64)
     ref = old - 0.05
-    yield "grpo_token_loss", grpo_token_loss(logprobs=logp, advantages=adv, mask=mask, old_logprobs=old,
-                                             sampler_logprobs=old + 0.02, ref_logprobs=ref,
-                                             config=GRPOConfig(beta=0.1, off_policy=OffPolicy.icepop(0.5, 2.0)))
+    x = lambda **t: L.LossInputs.from_tokens(mask, **t)  # noqa: E731
+    yield "grpo_loss", grpo_loss(x(logprobs=logp, advantages=adv, old_logprobs=old, sampler_logprobs=old + 0.02,
+                                   ref_logprobs=ref), GRPOConfig(beta=0.1, off_policy=OffPolicy.icepop(0.5, 2.0)))
     v = torch.randn(B, T, generator=g, dtype=torch.float64, requires_grad=True)
-    yield "ppo_loss", ppo_loss(logprobs=logp, mask=mask, config=PPOConfig(), normalizer=float(mask.sum()),
-                               advantages=adv[:, None].expand(B, T).contiguous(), values=v, old_values=v.detach(),
-                               returns=torch.zeros(B, T, dtype=torch.float64), old_logprobs=old,
-                               sampler_logprobs=old + 0.02, ref_logprobs=ref)
-    yield "distill_loss", distill_loss(logprobs=logp, teacher_logprobs=ref, mask=mask, old_logprobs=old)
-    yield "sft_loss", sft_loss(logprobs=logp, mask=mask)
-    yield "dpo_loss", dpo_loss(logprobs=logp, ref_logprobs=ref, mask=mask, variant="ipo")
+    yield "ppo_loss", ppo_loss(x(logprobs=logp, normalizer=float(mask[:, 1:].sum()),
+                                 advantages=adv[:, None].expand(B, T).contiguous(), values=v, old_values=v.detach(),
+                                 returns=torch.zeros(B, T, dtype=torch.float64), old_logprobs=old,
+                                 sampler_logprobs=old + 0.02, ref_logprobs=ref), PPOConfig())
+    yield "distill_loss", distill_loss(x(logprobs=logp, teacher_logprobs=ref, old_logprobs=old), DistillConfig())
+    yield "sft_loss", sft_loss(x(logprobs=logp), SFTConfig())
+    yield "dpo_loss", dpo_loss(x(logprobs=logp, ref_logprobs=ref), DPOConfig(variant="ipo"))
     head, teacher = torch.nn.Linear(5, 11), torch.nn.Linear(5, 11)
-    n = int(mask.sum())
-    yield "jsd_loss", jsd_loss(hidden=torch.randn(n, 5, generator=g), head=head, teacher_hidden=torch.randn(n, 5),
-                               teacher_head=teacher, targets=torch.randint(0, 11, (n,), generator=g),
-                               weight=torch.full((n,), 1.0 / n))
+    n = int(mask[:, 1:].sum())
+    extra = dict(hidden=torch.randn(n, 5, generator=g), head=head, teacher_hidden=torch.randn(n, 5),
+                 teacher_head=teacher, targets=torch.randint(0, 11, (n,), generator=g))
+    yield "jsd_loss", jsd_loss(x(extra=extra), DistillConfig(divergence="jsd"))
 
 
 @pytest.mark.parametrize("name, out", list(_units()), ids=lambda x: x if isinstance(x, str) else "")
@@ -66,24 +62,49 @@ def test_every_loss_unit_returns_a_loss_output_with_tensor_metrics(name, out):
     assert isinstance(out, L.LossOutput), name
     assert out.loss.dim() == 0 and out.loss.requires_grad
     assert out.metrics and all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in dict.values(out.metrics)), name
-    assert torch.equal(out.token_logprobs, out.logprobs) and not out.token_logprobs.requires_grad
+    assert set(out.metrics.reductions) == set(dict.keys(out.metrics)), name  # each metric says how it combines
+    assert not out.token_logprobs.requires_grad
     assert float(out.metrics["loss"]) == pytest.approx(float(out.loss.detach()), rel=1e-6)
-    combine_metrics([dict(out.metrics)])  # in combine_metrics' form (a missing count would raise)
+    combine_metrics([out.metrics])  # in combine_metrics' form (a missing count would raise)
 
 
-def test_the_units_take_keyword_only_inputs_named_by_source():
-    sources = {"logprobs", "sampler_logprobs", "old_logprobs", "ref_logprobs", "teacher_logprobs", "advantages",
-               "mask"}
-    for unit in (grpo_token_loss, ppo_loss, distill_loss, sft_loss, dpo_loss):
-        params = inspect.signature(unit).parameters
-        assert all(p.kind is p.KEYWORD_ONLY for p in params.values()), unit.__name__
-        assert "logprobs" in params and "mask" in params and set(params) & sources, unit.__name__
-    assert StepOutput is L.LossOutput  # the fronts' compute and the units return one type
-    assert old_and_tis_at_old_path is L.old_and_tis
+def test_every_unit_is_a_function_of_inputs_and_config():
+    for unit in (grpo_loss, ppo_loss, distill_loss, jsd_loss, sft_loss, dpo_loss):
+        assert list(inspect.signature(unit).parameters) == ["inputs", "config"], unit.__name__
 
 
-def test_grpo_token_loss_equals_the_front(qwen2_model, chatml_tokenizer):
-    """The (B, T) unit on reference log-probs gives the front's loss and gradients (fused head path)."""
+def test_a_new_loss_is_one_function_and_one_config(qwen2_model, chatml_tokenizer):
+    """A loss written here, in the test, runs through the shared pipeline on a front's prepared batch, its
+    metrics combine over micro-batches by the reductions they carry, and no file of the library names it."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class ReinforceConfig:
+        scale: float = 1.0
+
+    def reinforce_loss(inputs, config):  # -A log pi, token mean over the full batch
+        w = L.weights("token_mean", inputs)
+        loss = -(config.scale * inputs.advantages * inputs.logprobs * w).sum()
+        metrics = L.LazyMetrics.of(loss=(loss.detach(), L.SUM), my_logp=(inputs.logprobs.detach().mean(), L.TOKEN_MEAN),
+                                   num_tokens=(L.count(inputs.num_tokens, loss), L.SUM))
+        return L.LossOutput(loss, metrics, inputs.logprobs.detach())
+
+    model, tok = qwen2_model, chatml_tokenizer
+    grpo = GRPO(model, tok, loss_type="bnpo", group_size=3)
+    prepared = grpo.prepare(make_rollouts(2, 3), REWARDS)
+    compute = grpo.compute_options
+    full = pipeline.run_unit(reinforce_loss, ReinforceConfig(2.0), model, prepared, compute)
+    parts = [pipeline.run_unit(reinforce_loss, ReinforceConfig(2.0), model, mb, compute) for mb in prepared.split(4)]
+    combined = combine_metrics([p.metrics for p in parts])
+    assert combined["loss"] == pytest.approx(full.metrics["loss"], rel=1e-5)
+    assert combined["my_logp"] == pytest.approx(full.metrics["my_logp"], rel=1e-5)
+    m = prepared.mask.bool()
+    naive = -2 * (prepared.advantages[:, None] * full.token_logprobs.nan_to_num())[m].sum() / m.sum()
+    assert float(full.loss.detach()) == pytest.approx(float(naive), rel=1e-5)
+
+
+def test_grpo_loss_on_token_tensors_equals_the_front(qwen2_model, chatml_tokenizer):
+    """The unit on (B, T) log-probs of `token_logprobs` gives the front's loss and gradients (fused head path)."""
     from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 
     model, tok = qwen2_model, chatml_tokenizer
@@ -96,9 +117,9 @@ def test_grpo_token_loss_equals_the_front(qwen2_model, chatml_tokenizer):
         g_front = grads(model)
         model.zero_grad()
         lp = token_logprobs(model, tb.batch, tb.temperature, positions=tb.mask)
-        unit = grpo_token_loss(logprobs=lp, advantages=tb.advantages, mask=tb.mask, config=grpo.config,
-                               old_logprobs=tb.old_logprobs, sampler_logprobs=tb.sampler_logprobs,
-                               normalizer=tb.normalizer)
+        unit = grpo_loss(L.LossInputs.from_tokens(tb.mask, tb.normalizer, logprobs=lp, advantages=tb.advantages,
+                                                  old_logprobs=tb.old_logprobs, sampler_logprobs=tb.sampler_logprobs),
+                         grpo.config)
         unit.loss.backward()
         assert float(unit.loss.detach()) == pytest.approx(float(out.loss.detach()), rel=1e-5, abs=1e-7), loss_type
         for key in ("ratio_mean", "clip_frac", "num_tokens", "offpolicy_kl_k3"):
@@ -109,25 +130,32 @@ def test_grpo_token_loss_equals_the_front(qwen2_model, chatml_tokenizer):
 
 @pytest.mark.parametrize("options", [{"share_prefix": True}, {"fused": True},
                                      {"fused": True, "off_policy": OffPolicy.icepop(0.8, 1.25)},
-                                     {"share_prefix": True, "fused": True, "tis_cap": 2.0}])
-def test_ppo_share_prefix_and_fused_match_the_plain_path(options, qwen2_model, chatml_tokenizer):
+                                     {"share_prefix": True, "fused": True, "off_policy": OffPolicy.tis(2.0)}])
+def test_ppo_share_prefix_and_fused_match_the_plain_path(options, qwen2_model, chatml_tokenizer, monkeypatch):
+    from SimpleTorchLLMRL.model.scoring import logprobs
+
+    fused_calls = []
+    real = logprobs.fused_token_loss
+    monkeypatch.setattr(logprobs, "fused_token_loss", lambda *a, **k: fused_calls.append(1) or real(*a, **k))
     model, tok = qwen2_model, chatml_tokenizer
     rollouts = with_sampled_logprobs(make_rollouts(2, 3), perturbed_copy(model, 0.2), tok, temperature=1.0)
-    math = {k: v for k, v in options.items() if k in ("off_policy", "tis_cap")}
-    plain = PPO(model, tok, beta=0.05, ref_model=perturbed_copy(model), **math)
-    other = PPO(model, tok, beta=0.05, ref_model=plain.ref_model, value_head=plain.value_head, **options)
+    math = {k: v for k, v in options.items() if k == "off_policy"}
+    plain = PPO(model, tok, beta=0.05, ref_model=perturbed_copy(model), fused=False, **math)
+    other = PPO(model, tok, beta=0.05, ref_model=plain.ref_model, value_head=plain.value_head,
+                **{"fused": False, **options})
     assert other.compute_options.share_prefix == options.get("share_prefix", False)
     outs = []
     for ppo in (plain, other):
         prepared = ppo.prepare(rollouts, REWARDS)
         assert (prepared.prefix_plan is not None) == ppo.compute_options.share_prefix
-        assert ppo._fused(prepared) == (ppo is other and options.get("fused", False))  # the path under test runs
+        fused_calls.clear()
         parts = prepared.split(4)  # micro-batches: the full batch's normalizer
         metrics = []
         for mb in parts:
             out = ppo.compute(mb)
             out.loss.backward()
             metrics.append(out.metrics)
+        assert bool(fused_calls) == (ppo is other and options.get("fused", False))  # the path under test runs
         outs.append((combine_metrics(metrics), grads(model), torch.cat([p.grad.flatten() for p in
                                                                        ppo.value_head.parameters()])))
         model.zero_grad()
@@ -154,11 +182,11 @@ def test_the_fronts_share_one_shape(qwen2_model, chatml_tokenizer):
         assert isinstance(err.value, UnknownOptionError) and isinstance(err.value, ValueError)
         with pytest.raises(TypeError, match="config= must be a"):
             cls(model, tok, 0.2)
-    grpo = GRPO(model, tok, GRPOConfig(loss_type="dapo", group_size=3, tis_cap=2.0), ComputeOptions(chunk_size=16),
-                eps=0.1, share_prefix=True)
+    grpo = GRPO(model, tok, GRPOConfig(loss_type="dapo", group_size=3, off_policy=OffPolicy.tis(2.0)),
+                ComputeOptions(chunk_size=16), eps=0.1, share_prefix=True)
     assert (grpo.config.loss_type, grpo.config.eps, grpo.config.eps_high, grpo.config.group_size) == \
         ("dapo", 0.1, 0.28, 3)
-    assert grpo.config.off_policy == OffPolicy.tis(2.0)  # a config built from tis_cap passes again
+    assert grpo.config.off_policy == OffPolicy.tis(2.0)
     assert (grpo.compute_options.chunk_size, grpo.compute_options.share_prefix) == (16, True)
     assert GRPO(model, tok, eps=0.3).config == GRPOConfig(eps=0.3)  # the seed spelling
     ppo = PPO(model, tok, PPOConfig(vf_coef=0.5), share_prefix=True, fused=True, gamma=0.9)
@@ -174,7 +202,7 @@ def _old_aggregate(aggregate, x, mask, normalizer=None):
     if aggregate == "sequence_mean_token_mean":
         per_row = (x * m).sum(-1) / m.sum(-1).clamp(min=1)
         return per_row.sum() / max(float(x.shape[0] if normalizer is None else normalizer), 1.0)
-    n = x.shape[0] * x.shape[1] if normalizer is None else normalizer
+    n = x.shape[0] * int(m.sum(-1).max()) if normalizer is None else normalizer
     return (x * m).sum() / max(float(n), 1.0)
 
 
@@ -186,29 +214,24 @@ def _old_normalizer(aggregate, mask, max_tokens=None):
     return float(mask.shape[0] * (max_tokens if max_tokens is not None else int(mask.sum(-1).max())))
 
 
-@pytest.mark.parametrize("aggregate", ["token_mean", "sequence_mean_token_mean", "token_sum_constant"])
-def test_each_aggregator_gives_the_old_values(aggregate):
+@pytest.mark.parametrize("aggregate", L.AGGREGATES)
+def test_each_aggregate_gives_the_old_values(aggregate):
     x, _, mask, _ = _tokens(B=5, T=9, seed=3)
-    x = x.detach()
-    agg = L.AGGREGATORS[aggregate]
-    assert isinstance(agg, L.Aggregator) and agg.name == aggregate and L.aggregator(aggregate) is agg
+    x, mask = x.detach(), mask.clone()
+    mask[:, 0] = 0  # the units' tokens: nothing predicts the first one
     for norm in (None, 13.0):
-        torch.testing.assert_close(agg(x, mask, norm), _old_aggregate(aggregate, x, mask, norm))
-        torch.testing.assert_close((x * agg.weights(mask, norm).double()).sum(), _old_aggregate(aggregate, x, mask,
-                                                                                               norm))
+        inputs = L.LossInputs.from_tokens(mask, norm, logprobs=x)
+        w = L.weights(aggregate, inputs)
+        torch.testing.assert_close((inputs.logprobs * w.double()).sum(), _old_aggregate(aggregate, x, mask, norm))
     for max_tokens in (None, 12):
-        assert agg.normalizer(mask, max_tokens) == _old_normalizer(aggregate, mask, max_tokens)
-        assert L.default_normalizer(aggregate, mask, max_tokens) == _old_normalizer(aggregate, mask, max_tokens)
-    spec = next(s for s in L.LOSS_TYPES.values() if s.aggregate == aggregate)
-    assert spec.aggregator is agg
-    with pytest.raises(ValueError, match="aggregate 'median'"):
-        L.aggregator("median")
+        assert L.normalizer(aggregate, mask, max_tokens) == _old_normalizer(aggregate, mask, max_tokens)
+    with pytest.raises(ValueError, match="aggregate='median'"):
+        L.normalizer("median", mask)
 
 
 def test_one_overlong_penalty():
     lengths = [0, 5, 6, 7, 8, 10, 11, 100]
     expect = torch.tensor([0.0, 0.0, 0.0, -0.25, -0.5, -1.0, -1.0, -1.0])  # safe up to 6, -1 at 10 (DAPO eq. 13)
-    assert A.overlong_penalty is overlong_penalty  # the trainer's name is the reward's function
     torch.testing.assert_close(overlong_penalty(torch.tensor(lengths), 10, 4), expect)
     rollouts = [Rollout([Message("q"), Message("x" * n, MessageType.MODEL, token_ids=list(range(n)))])
                 for n in lengths]
@@ -234,8 +257,8 @@ def test_ppo_fused_and_shared_prefix_wait_for_nothing(impl, qwen2_model, chatml_
 
     model, tok = qwen2_model, chatml_tokenizer
     rollouts = with_sampled_logprobs(make_rollouts(2, 3), perturbed_copy(model, 0.2), tok, temperature=1.0)
-    ppo = PPO(model, tok, beta=0.05, ref_model=perturbed_copy(model), tis_cap=2.0, head_impl=impl, chunk_size=8,
-              share_prefix=True, fused=True)
+    ppo = PPO(model, tok, beta=0.05, ref_model=perturbed_copy(model), off_policy=OffPolicy.tis(2.0), head_impl=impl,
+              chunk_size=8, share_prefix=True, fused=True)
     prepared = ppo.prepare(rollouts, REWARDS)
     ppo.calculate_loss(prepared).backward()  # the shared-prefix check runs once per model, before counting
     model.zero_grad()
@@ -292,33 +315,9 @@ def test_sft_dpo_and_distill_take_the_fronts_shape(cls, config_cls, qwen2_model,
         _front(cls, model, tok, **{field[0]: "nope" if field[0] == "aggregate" else -1.0})
 
 
-def test_the_old_third_positional_arguments_still_work(qwen2_model, chatml_tokenizer):
-    """`SFT(m, t, aggregate)`, `DPO(m, t, ref_model)` and `Distill(m, t, teacher)`: the forms before the shared shape."""
-    from SimpleTorchLLMRL.trainer.distill import Distill, DistillConfig
-    from SimpleTorchLLMRL.trainer.dpo import DPO
-    from SimpleTorchLLMRL.trainer.sft import SFT
-
-    model, tok = qwen2_model, chatml_tokenizer
-    other = perturbed_copy(model)
-    assert SFT(model, tok, "token_sum_constant").config.aggregate == "token_sum_constant"
-    assert DPO(model, tok, other, beta=0.2).ref_model is other
-    distill = Distill(model, tok, other, ComputeOptions(chunk_size=4), kl_coef=0.5)
-    assert (distill.teacher, distill.kind, distill.compute_options.chunk_size, distill.config.kl_coef) == \
-        (other, "hf", 4, 0.5)
-    assert Distill(model, tok, "rollouts").kind == Distill(model, tok).kind == "rollouts"
-    assert Distill(model, tok, DistillConfig(kl_coef=0.5), teacher=other).teacher is other
-    for make, what in ((lambda: Distill(model, tok, other, teacher=other), "teacher"),
-                       (lambda: DPO(model, tok, other, ref_model=other), "ref_model"),
-                       (lambda: SFT(model, tok, "token_mean", aggregate="token_mean"), "aggregate")):
-        with pytest.raises(TypeError, match=f"{what} twice"):
-            make()
-    with pytest.raises(TypeError, match="config= must be a DPOConfig"):
-        DPO(model, tok, 0.1, ref_model=other)  # neither a config nor a reference model
-
-
 @pytest.mark.parametrize("name", ["SFT", "DPO", "Distill"])
 def test_sft_dpo_and_distill_compute_returns_a_loss_output(name, qwen2_model, chatml_tokenizer):
-    from SimpleTorchLLMRL.trainer.combine import LazyMetrics
+    from SimpleTorchLLMRL.trainer.losses import LazyMetrics
 
     model, tok = qwen2_model, chatml_tokenizer
     cls = next(c for c, _ in _more_fronts() if c.__name__ == name)
@@ -339,24 +338,32 @@ def test_sft_dpo_and_distill_compute_returns_a_loss_output(name, qwen2_model, ch
     combine_metrics([out.metrics])
 
 
-def test_the_docs_table_of_fronts_names_each_fronts_options():
-    """docs/losses.md's table of fronts lists, per front, exactly its config's fields and its other keywords."""
-    from dataclasses import fields
+def test_the_docs_tables_of_options_are_the_generated_ones():
+    """docs/losses.md's options tables are `options_table` of the fronts, generated from the config dataclasses
+    (each field's own docstring): an option is written once."""
     from pathlib import Path
 
+    from SimpleTorchLLMRL.trainer.options import options_table
+
+    fronts = [GRPO, PPO] + [cls for cls, _ in _more_fronts()]
     text = (Path(__file__).resolve().parents[1] / "docs" / "losses.md").read_text()
-    rows = {}
-    for line in text.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 5 and cells[0].startswith("`") and "(`trainer/" in cells[0]:
-            words = lambda cell: set(cell.replace("`", "").replace(" ", "").split(",")) - {""}  # noqa: E731
-            rows[cells[0].split("`")[1]] = (cells[1].strip("`"), words(cells[2]), words(cells[3]))
-    fronts = [(GRPO, GRPOConfig), (PPO, PPOConfig)] + _more_fronts()
-    assert set(rows) == {cls.__name__ for cls, _ in fronts}
-    compute = {f.name for f in fields(ComputeOptions)}
-    for cls, config_cls in fronts:
-        config_name, math, others = rows[cls.__name__]
-        names = set(inspect.signature(cls).parameters) - {"model", "tokenizer", "config", "compute"}
-        assert config_name == config_cls.__name__
-        assert math == {f.name for f in fields(config_cls) if f.init}, cls.__name__
-        assert others == names - math - compute, cls.__name__
+    begin, end = "<!-- options: generated by trainer.options.options_table -->\n", "<!-- options: end -->"
+    assert begin in text and end in text
+    documented = text.split(begin)[1].split(end)[0]
+    generated = options_table(fronts)
+    assert documented == generated, "regenerate docs/losses.md's options tables:\n" + generated
+
+
+def test_every_option_is_documented_once_and_named_in_the_signature():
+    from dataclasses import fields
+
+    from SimpleTorchLLMRL.trainer.options import field_docs
+
+    for cls in [GRPO, PPO] + [c for c, _ in _more_fronts()]:
+        config = cls.config_class
+        docs = {**field_docs(config), **field_docs(ComputeOptions)}
+        names = [f.name for f in fields(config) if f.init] + [f.name for f in fields(ComputeOptions)]
+        assert all(docs.get(n) for n in names), [n for n in names if not docs.get(n)]
+        params = inspect.signature(cls).parameters
+        assert all(params[n].kind is params[n].KEYWORD_ONLY for n in names)
+        assert "eps" not in names or params["eps"].default == config().eps

@@ -18,8 +18,8 @@ from losses_helpers import (
 
 from SimpleTorchLLMRL.model.dropout import active_dropout, disable_dropout
 from SimpleTorchLLMRL.testing.tiny import tiny_model
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
-from SimpleTorchLLMRL.trainer.PPO import PPO
+from SimpleTorchLLMRL.trainer.grpo import GRPO
+from SimpleTorchLLMRL.trainer.ppo import PPO
 
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 2.0])
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from SimpleTorchLLMRL.trainer import losses as L
-from SimpleTorchLLMRL.trainer.grpo_loss import GRPOConfig
+from SimpleTorchLLMRL.trainer.grpo import LOSS_TYPES, GRPOConfig, cispo_loss, sequence_log_ratio
+from SimpleTorchLLMRL.trainer.off_policy import OffPolicy, correction_weights
+from SimpleTorchLLMRL.trainer.ppo import value_loss
 
 
 def _data(B=4, T=6, seed=0):
@@ -37,7 +39,7 @@ def _naive_clip(logp, old, adv, lo, hi, dual=None):
 @pytest.mark.parametrize("lo,hi,dual", [(0.2, 0.2, None), (0.2, 0.28, None), (0.1, 0.3, 3.0)])
 def test_clipped_surrogate_values_and_grad(lo, hi, dual):
     logp, old, adv, mask = _data()
-    loss, stats = L.clipped_surrogate(L.token_log_ratio(logp, old), logp, adv, L.Clip(lo, hi, dual))
+    loss, stats = L.clipped_surrogate(logp - old, logp, adv, L.Clip(lo, hi, dual))
     torch.testing.assert_close(loss.detach(), _naive_clip(logp.detach(), old, adv, lo, hi, dual))
     loss.sum().backward()
     # d/dlogp of -r A is -r A where the unclipped branch is active, 0 where the clip (or dual clip) binds
@@ -52,7 +54,7 @@ def test_clipped_surrogate_values_and_grad(lo, hi, dual):
 def test_cispo_weight_is_clipped_and_detached():
     logp, old, adv, mask = _data(seed=1)
     hi = 0.25
-    loss, stats = L.cispo_loss(L.token_log_ratio(logp, old), logp, adv, L.Clip(0.2, hi))
+    loss, stats = cispo_loss(logp - old, logp, adv, L.Clip(0.2, hi))
     w = torch.clamp(torch.exp(logp.detach() - old), max=1 + hi)
     torch.testing.assert_close(loss.detach(), -w * adv * logp.detach())
     loss.sum().backward()
@@ -64,7 +66,7 @@ def test_sequence_log_ratio_is_length_normalized():
     logp, old, _, mask = _data(seed=2)
     select = mask.bool()
     row = torch.arange(logp.shape[0])[:, None].expand_as(mask)[select]  # (N,) the rollout of each trained token
-    s = L.sequence_log_ratio((logp - old)[select], row, logp.shape[0])  # (N,)
+    s = sequence_log_ratio((logp - old)[select], row, logp.shape[0])  # (N,)
     for i in range(logp.shape[0]):
         m = mask[i].bool()
         expect = float((logp.detach()[i][m] - old[i][m]).sum()) / int(m.sum())
@@ -106,48 +108,47 @@ def test_kl_estimators_are_unbiased_for_kl():
 
 
 def test_truncated_is_weight():
-    trainer = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
-    sampler = torch.tensor([[-1.5, -1.0, float("nan"), -6.0]])
-    w = L.truncated_is_weight(trainer, sampler, cap=2.0)
-    expect = torch.tensor([[math.exp(0.5), math.exp(-1.0), 1.0, 2.0]])
+    trainer = torch.tensor([-1.0, -2.0, -0.5, -3.0])
+    sampler = torch.tensor([-1.5, -1.0, float("nan"), -6.0])
+    row, adv = torch.zeros(4, dtype=torch.long), torch.ones(4)
+    w, _ = correction_weights(OffPolicy.tis(2.0), trainer, sampler, row, 1, adv, trainer)
+    expect = torch.tensor([math.exp(0.5), math.exp(-1.0), 1.0, 2.0])
     torch.testing.assert_close(w, expect)
-    with pytest.raises(ValueError, match="tis_cap"):
-        L.truncated_is_weight(trainer, sampler, cap=0)
+    with pytest.raises(ValueError, match="high"):
+        OffPolicy.tis(0)
+
+
+def _aggregate(aggregate, x, mask, normalizer=None, max_tokens=None):
+    """The aggregate of (B, T) per-token values x through the flat per-token weights of the loss units."""
+    inputs = L.LossInputs.from_tokens(mask, normalizer, logprobs=x)
+    return (inputs.logprobs * L.weights(aggregate, inputs, max_tokens).double()).sum()
 
 
 def test_aggregators_match_naive():
     x, _, _, mask = _data(seed=4)
     x = x.detach()
     m = mask.double()
-    torch.testing.assert_close(L.token_mean(x, mask), (x * m).sum() / m.sum())
+    torch.testing.assert_close(_aggregate("token_mean", x, mask), (x * m).sum() / m.sum())
     per_row = torch.stack([(x[i] * m[i]).sum() / m[i].sum() for i in range(x.shape[0])])
-    torch.testing.assert_close(L.AGGREGATORS["sequence_mean_token_mean"](x, mask), per_row.mean())
-    torch.testing.assert_close(L.AGGREGATORS["token_sum_constant"](x, mask, 100.0), (x * m).sum() / 100.0)
+    torch.testing.assert_close(_aggregate("sequence_mean_token_mean", x, mask), per_row.mean())
+    torch.testing.assert_close(_aggregate("token_sum_constant", x, mask, 100.0), (x * m).sum() / 100.0)
+    longest = float(m.sum(-1).max())  # without a normalizer: rows x the longest row (max_tokens: that instead)
+    torch.testing.assert_close(_aggregate("token_sum_constant", x, mask), (x * m).sum() / (x.shape[0] * longest))
+    torch.testing.assert_close(_aggregate("token_sum_constant", x, mask, max_tokens=9), (x * m).sum() / (4 * 9))
     x_nan = x.clone()
     x_nan[mask == 0] = float("nan")  # untrained positions never leak into the loss
-    assert torch.isfinite(L.token_mean(torch.nan_to_num(x_nan), mask))
+    assert torch.isfinite(_aggregate("token_mean", x_nan, mask))
 
 
-@pytest.mark.parametrize("aggregate", sorted(L.AGGREGATORS))
-def test_aggregation_weights_reproduce_aggregators(aggregate):
-    x, _, _, mask = _data(seed=7)
-    x = x.detach()
-    for norm in (None, 7.0):
-        w = L.aggregation_weights(aggregate, mask, norm).double()
-        torch.testing.assert_close((x * w).sum(), L.AGGREGATORS[aggregate](x, mask, norm))
-        assert torch.all(w[mask == 0] == 0)
-
-
-@pytest.mark.parametrize("aggregate", sorted(L.AGGREGATORS))
+@pytest.mark.parametrize("aggregate", L.AGGREGATES)
 def test_micro_batch_accumulation_equals_full_batch(aggregate):
     x, _, _, mask = _data(B=6, seed=5)
-    agg = L.AGGREGATORS[aggregate]
-    norm = L.default_normalizer(aggregate, mask, max_tokens=5)
-    full = agg(x, mask, norm)
+    norm = L.normalizer(aggregate, mask, max_tokens=5)
+    full = _aggregate(aggregate, x, mask, norm)
     full.backward()
     g_full = x.grad.clone()
     x.grad = None
-    parts = sum(agg(x[s:s + 2], mask[s:s + 2], norm) for s in range(0, 6, 2))
+    parts = sum(_aggregate(aggregate, x[s:s + 2], mask[s:s + 2], norm) for s in range(0, 6, 2))
     parts.backward()
     torch.testing.assert_close(parts, full)
     torch.testing.assert_close(x.grad, g_full)
@@ -159,11 +160,11 @@ def test_value_loss_matches_naive():
     v = torch.randn(3, 5, generator=g, dtype=torch.float64, requires_grad=True)
     v_old = v.detach() + 0.5 * torch.randn(3, 5, generator=g, dtype=torch.float64)
     ret = torch.randn(3, 5, generator=g, dtype=torch.float64)
-    out = L.value_loss(v, v_old, ret, 0.2)
+    out = value_loss(v, v_old, ret, 0.2)
     v_clip = v_old + (v.detach() - v_old).clamp(-0.2, 0.2)
     naive = 0.5 * torch.maximum((v.detach() - ret) ** 2, (v_clip - ret) ** 2)
     torch.testing.assert_close(out.detach(), naive)
-    torch.testing.assert_close(L.value_loss(v, v_old, ret, None).detach(), 0.5 * (v.detach() - ret) ** 2)
+    torch.testing.assert_close(value_loss(v, v_old, ret, None).detach(), 0.5 * (v.detach() - ret) ** 2)
 
 
 def test_clip_and_names_validation():
@@ -176,5 +177,5 @@ def test_clip_and_names_validation():
     with pytest.raises(ValueError, match="importance_sampling_level"):
         GRPOConfig(importance_sampling_level="chunk")
     with pytest.raises(ValueError, match="aggregate"):
-        L.default_normalizer("median", torch.ones(1, 2))
-    assert set(L.LOSS_TYPES) == {"grpo", "bnpo", "dapo", "dr_grpo", "gspo", "cispo"}
+        L.normalizer("median", torch.ones(1, 2))
+    assert set(LOSS_TYPES) == {"grpo", "bnpo", "dapo", "dr_grpo", "gspo", "cispo"}

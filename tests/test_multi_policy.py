@@ -35,7 +35,7 @@ from SimpleTorchLLMRL.model.adapters import (
 )
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.testing.tiny import tiny_model
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
+from SimpleTorchLLMRL.trainer.grpo import GRPO
 
 AGENTS = ["A", "B"]
 

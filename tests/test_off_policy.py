@@ -13,9 +13,10 @@ from losses_helpers import assert_grads_close, grads, make_rollouts, naive_logpr
 
 from SimpleTorchLLMRL.chat.message import MessageType
 from SimpleTorchLLMRL.trainer.combine import combine_metrics
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
+from SimpleTorchLLMRL.trainer.grpo import GRPO
+from SimpleTorchLLMRL.trainer.losses import SUM, LazyMetrics, mismatch_metrics
 from SimpleTorchLLMRL.trainer.off_policy import OffPolicy, correction_weights
-from SimpleTorchLLMRL.trainer.PPO import PPO
+from SimpleTorchLLMRL.trainer.ppo import PPO
 
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 2.0])
 CONFIGS = {
@@ -197,14 +198,11 @@ def test_on_policy_weights_are_one_and_the_loss_is_uncorrected(name, qwen2_model
     assert "offpolicy_kl_k1" in plain.metrics and "tis_weight_mean" not in plain.metrics  # diagnostics always
 
 
-def test_tis_cap_is_the_old_spelling_and_bad_options_name_the_problem(qwen2_model, chatml_tokenizer):
+def test_a_dict_of_fields_works_and_bad_options_name_the_problem(qwen2_model, chatml_tokenizer):
     model, tok = qwen2_model, chatml_tokenizer
-    assert GRPO(model, tok, tis_cap=1.5).config.off_policy == OffPolicy.tis(1.5)
-    assert PPO(model, tok, tis_cap=1.5).config.off_policy == OffPolicy("token", "truncate", None, 1.5)
+    assert PPO(model, tok, off_policy=OffPolicy.tis(1.5)).config.off_policy == OffPolicy("token", "truncate", None, 1.5)
     assert GRPO(model, tok, off_policy={"level": "geometric", "mode": "reject", "low": 0.9, "high": 1.1}
                 ).config.off_policy == OffPolicy.geometric_mask(0.9, 1.1)
-    with pytest.raises(ValueError, match="tis_cap= or off_policy="):
-        GRPO(model, tok, tis_cap=1.5, off_policy=OffPolicy.icepop())
     for kwargs, match in [({"level": "tokens"}, "level="), ({"mode": "clip"}, "mode="),
                           ({"low": 2.0, "high": 1.0}, "below high"), ({"high": 0}, "high="),
                           ({"level": None}, "nothing to correct"), ({"kl_threshold": -1}, "kl_threshold")]:
@@ -272,10 +270,13 @@ def test_deepseek_mask_reads_the_current_policy_and_the_advantage_sign():
 
 
 def test_ess_and_perplexity_ratio_are_recomputed_from_the_combined_means():
-    parts = [{"num_tokens": 1, "num_sequences": 1, "offpolicy_ratio_mean": 2.0, "offpolicy_chi2_token": 3.0,
-              "offpolicy_kl_k1": -math.log(2.0), "offpolicy_chi2_seq": 3.0},
-             {"num_tokens": 3, "num_sequences": 2, "offpolicy_ratio_mean": 1.0, "offpolicy_chi2_token": 0.0,
-              "offpolicy_kl_k1": 0.0, "offpolicy_chi2_seq": 0.0}]
+    def part(log_rho, rows):  # the mismatch metrics of tokens with these log-ratios, in `rows` rollouts
+        n = len(log_rho)
+        m = mismatch_metrics(torch.tensor(log_rho), torch.zeros(n), torch.arange(n) % rows, rows)
+        return LazyMetrics.of(**m, num_tokens=(n, SUM), num_sequences=(rows, SUM))
+
+    parts = [part([math.log(2.0)], 1), part([0.0, 0.0, 0.0], 2)]
+    assert parts[0]["offpolicy_chi2_seq"] == pytest.approx(3.0) and parts[0]["offpolicy_ess"] == pytest.approx(1.0)
     out = combine_metrics(parts)  # tokens: rho = 2, 1, 1, 1
     assert out["offpolicy_ess"] == pytest.approx((5 / 4) ** 2 / (7 / 4))
     assert out["offpolicy_ppl_ratio"] == pytest.approx(2 ** -0.25)

@@ -4,11 +4,12 @@ import pytest
 import torch
 from losses_helpers import make_rollouts, perturbed_copy, with_sampled_logprobs
 
-from SimpleTorchLLMRL.model.scoring.head import output_head
+from SimpleTorchLLMRL.model.scoring.logprobs import ComputeOptions, score
+from SimpleTorchLLMRL.trainer import pipeline
 from SimpleTorchLLMRL.trainer.combine import combine_metrics
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
-from SimpleTorchLLMRL.trainer.grpo_loss import GRPOConfig, grpo_loss, token_inputs
-from SimpleTorchLLMRL.trainer.PPO import PPO
+from SimpleTorchLLMRL.trainer.grpo import GRPO, GRPOConfig, grpo_loss
+from SimpleTorchLLMRL.trainer.losses import MAX, MIN, SUM, TOKEN_MEAN, LazyMetrics
+from SimpleTorchLLMRL.trainer.ppo import PPO
 
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 2.0, 1.0, 0.0])
 KEYS = ("loss", "entropy", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max",
@@ -54,33 +55,40 @@ def test_micro_batch_metrics_combine_to_the_full_batch(trainer, qwen2_model, cha
 
 
 def test_the_loss_unit_is_pure(qwen2_model, chatml_tokenizer):
-    """grpo_loss reads only its arguments: same inputs, same (loss, metrics), no state on any object."""
+    """grpo_loss reads only its inputs: same inputs, same (loss, metrics), no state on any object; the fused
+    head (gradient formed chunk by chunk) and the two-pass head give the same loss and metrics."""
     model, tok = qwen2_model, chatml_tokenizer
     grpo = GRPO(model, tok, group_size=4)
     tb = grpo.prepare(_off_policy(model, tok), REWARDS)
-    with torch.no_grad():
-        from SimpleTorchLLMRL.model.scoring.hidden import final_hidden_states
-
-        hidden = final_hidden_states(model, tb.batch.input_ids, tb.batch.attention_mask)
-    select = tb.mask[:, 1:].bool()
-    h, y = hidden[:, :-1][select], tb.batch.input_ids[:, 1:][select]
     cfg = GRPOConfig(group_size=4)
-    x = token_inputs(tb, select, tb.normalizer, cfg)
-    a = grpo_loss(h, output_head(model), y, x, cfg, temperature=1.0, chunk_size=7)
-    b = grpo_loss(h, output_head(model), y, x, cfg, temperature=1.0, chunk_size=64, fused=False)
+    outs = []
+    for compute in (ComputeOptions(chunk_size=7, fused=True), ComputeOptions(chunk_size=64, fused=False)):
+        s = score(model, tb, compute, temperature=1.0)
+        x = pipeline.loss_inputs(tb, logprobs=s.logprobs, entropy=s.entropy)
+        outs.append((grpo_loss(x, cfg), pipeline.run_unit(grpo_loss, cfg, model, tb, compute)))
+    (a, fused), (b, two_pass) = outs
     assert a.loss.item() == pytest.approx(b.loss.item(), rel=1e-5, abs=1e-7)
     assert a.metrics.keys() == b.metrics.keys()
     for key in KEYS:
         assert a.metrics[key] == pytest.approx(b.metrics[key], rel=1e-5, abs=1e-7), key
+        assert fused.metrics[key] == pytest.approx(two_pass.metrics[key], rel=1e-5, abs=1e-7), key
+        assert fused.metrics[key] == pytest.approx(a.metrics[key], rel=1e-5, abs=1e-7), key
     assert grpo.metrics == {} and grpo.token_logprobs is None  # the front records only its own calls
 
 
 def test_combine_metrics_rules():
-    parts = [dict(loss=0.5, entropy=1.0, num_tokens=1, ratio_min=0.9, ratio_max=1.1, reward_mean=0.3),
-             dict(loss=0.25, entropy=4.0, num_tokens=3, ratio_min=0.8, ratio_max=1.0, reward_mean=0.3)]
-    out = combine_metrics(parts)
-    assert out == dict(loss=0.75, entropy=3.25, num_tokens=4, ratio_min=0.8, ratio_max=1.1, reward_mean=0.3)
+    """Each metric combines by the reduction it carries: no list of names (an unknown one: kept once)."""
+    def part(loss, entropy, n, lo, hi):
+        m = LazyMetrics.of(loss=(loss, SUM), entropy=(entropy, TOKEN_MEAN), num_tokens=(n, SUM), ratio_min=(lo, MIN),
+                           ratio_max=(hi, MAX), my_new_loss_term=(loss, SUM))
+        return LazyMetrics.merged({"reward_mean": 0.3}, m)
+
+    out = combine_metrics([part(0.5, 1.0, 1, 0.9, 1.1), part(0.25, 4.0, 3, 0.8, 1.0)])
+    assert out == dict(reward_mean=0.3, loss=0.75, entropy=3.25, num_tokens=4, ratio_min=0.8, ratio_max=1.1,
+                       my_new_loss_term=0.75)
     with pytest.raises(ValueError, match="at least one"):
         combine_metrics([])
     with pytest.raises(ValueError, match="num_tokens"):
-        combine_metrics([dict(entropy=1.0)])
+        combine_metrics([LazyMetrics.of(entropy=(1.0, TOKEN_MEAN))])
+    with pytest.raises(TypeError, match="carry no reductions"):
+        combine_metrics([dict(loss=1.0)])

@@ -15,8 +15,8 @@ from losses_helpers import (
 )
 
 from SimpleTorchLLMRL.testing.tiny import tiny_model
-from SimpleTorchLLMRL.trainer import advantages as A
-from SimpleTorchLLMRL.trainer.PPO import PPO
+from SimpleTorchLLMRL.trainer.grpo import whiten
+from SimpleTorchLLMRL.trainer.ppo import PPO, gae, terminal_token_rewards
 
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 2.0])
 
@@ -55,8 +55,8 @@ def test_prepared_targets_match_naive_gae_and_values_align(qwen2_model, chatml_t
         v = torch.cat([torch.zeros(3, 1), ppo.value_head(h[:, :-1]).squeeze(-1)], 1) * m  # value of the state emitting t
         lp, ref_lp = naive_logprobs(model, batch) * m, naive_logprobs(ref_model, batch) * m
     torch.testing.assert_close(prepared.old_values, v, rtol=1e-5, atol=1e-6)
-    token_r = A.terminal_token_rewards(r.double(), m) - 0.1 * (lp - ref_lp) * m
-    adv, ret = A.gae(token_r, v.double(), m, 0.9, 0.8)
+    token_r = terminal_token_rewards(r.double(), m) - 0.1 * (lp - ref_lp) * m
+    adv, ret = gae(token_r, v.double(), m, 0.9, 0.8)
     torch.testing.assert_close(prepared.advantages.double(), adv, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(prepared.returns.double(), ret, rtol=1e-4, atol=1e-5)
 
@@ -78,8 +78,8 @@ def test_loss_and_gradient_match_naive(qwen2_model, chatml_tokenizer):
     h = _hidden(model, batch).double()
     W, b = ppo.value_head.weight.double(), ppo.value_head.bias.double()
     v = torch.cat([torch.zeros(4, 1, dtype=torch.float64), (h[:, :-1] @ W.T + b).squeeze(-1)], 1) * m
-    adv, ret = A.gae(A.terminal_token_rewards(r.double(), m), v.detach(), m, 1.0, 0.95)
-    adv = A.whiten(adv, m)
+    adv, ret = gae(terminal_token_rewards(r.double(), m), v.detach(), m, 1.0, 0.95)
+    adv = whiten(adv, m)
     pg = -(torch.exp(lp - lp.detach()) * adv * m).sum() / m.sum()
     vf = (0.5 * (v - ret) ** 2 * m).sum() / m.sum()
     naive = pg + 0.5 * vf

@@ -22,7 +22,7 @@ from SimpleTorchLLMRL.model.lora import (
 )
 from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 from SimpleTorchLLMRL.testing.tiny import tiny_model
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
+from SimpleTorchLLMRL.trainer.grpo import GRPO
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # bitsandbytes / peft CPU notices
 

@@ -14,7 +14,7 @@ from SimpleTorchLLMRL.chat.rollout_io import RolloutWriter, load_rollouts, save_
 from SimpleTorchLLMRL.chat.tokenize import encode_rollouts
 from SimpleTorchLLMRL.env.async_rollouts import AsyncProducer, RolloutQueue
 from SimpleTorchLLMRL.model.generate import ModelGenerate
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
+from SimpleTorchLLMRL.trainer.grpo import GRPO
 
 S, U, M, T = MessageType.SYSTEM, MessageType.MESSAGE, MessageType.MODEL, MessageType.TOOL
 CALL = {"type": "function", "id": "call00001", "function": {"name": "calculator", "arguments": {"expression": "3*9"}}}

@@ -13,8 +13,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 from SimpleTorchLLMRL.trainer.combine import combine_metrics
-from SimpleTorchLLMRL.trainer.dpo import DPO, dpo_loss
-from SimpleTorchLLMRL.trainer.sft import SFT, sft_loss
+from SimpleTorchLLMRL.trainer.dpo import DPO, DPOConfig, dpo_loss
+from SimpleTorchLLMRL.trainer.losses import LossInputs
+from SimpleTorchLLMRL.trainer.sft import SFT, SFTConfig, sft_loss
 from tests.losses_helpers import assert_grads_close, grads, make_rollouts, naive_logprobs, perturbed_copy
 
 
@@ -58,7 +59,7 @@ def _close_to_float64(g32, g64):
 def test_sft_loss_is_the_cross_entropy_of_the_trained_tokens():
     z, y, mask = _logits()
     lp = torch.log_softmax(z, -1).gather(-1, y[..., None])[..., 0]
-    out = sft_loss(logprobs=lp, mask=mask)
+    out = sft_loss(LossInputs.from_tokens(mask, logprobs=lp), SFTConfig())
     (g,) = torch.autograd.grad(out.loss, z)
     m = mask.bool()
     ref = F.cross_entropy(z[m], y[m])  # the mean over the trained tokens
@@ -66,7 +67,7 @@ def test_sft_loss_is_the_cross_entropy_of_the_trained_tokens():
     torch.testing.assert_close(out.loss, ref, rtol=1e-7, atol=1e-10)  # float32 weights 1 / count
     torch.testing.assert_close(g, g_ref, rtol=1e-7, atol=1e-10)
     assert float(out.metrics["nll"]) == pytest.approx(float(ref.detach()), rel=1e-6)
-    seq = sft_loss(logprobs=lp, mask=mask, aggregate="sequence_mean_token_mean").loss
+    seq = sft_loss(LossInputs.from_tokens(mask, logprobs=lp), SFTConfig("sequence_mean_token_mean")).loss
     per_row = [F.cross_entropy(z[b][m[b]], y[b][m[b]]) for b in range(4)]
     assert float(seq) == pytest.approx(float(sum(per_row) / 4), rel=1e-7)
 
@@ -99,7 +100,7 @@ def test_sft_front_matches_float64_and_micro_batches(model, tok):
 
 
 def test_sft_mixes_with_grpo_as_a_weighted_sum(model, tok):
-    from SimpleTorchLLMRL.trainer.GRPO import GRPO
+    from SimpleTorchLLMRL.trainer.grpo import GRPO
 
     rollouts, demos = make_rollouts(2, 2), make_rollouts(1, 1)
     grpo, sft = GRPO(model, tok, group_size=2), SFT(model, tok)
@@ -140,7 +141,7 @@ def test_dpo_loss_matches_float64_reference(variant, eps):
     lp = torch.log_softmax(z, -1).gather(-1, y[..., None])[..., 0]
     ref_lp = torch.log_softmax(torch.randn(z.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64),
                                -1).gather(-1, y[..., None])[..., 0]
-    out = dpo_loss(logprobs=lp, ref_logprobs=ref_lp, mask=mask, beta=0.3, variant=variant, label_smoothing=eps)
+    out = dpo_loss(LossInputs.from_tokens(mask, logprobs=lp, ref_logprobs=ref_lp), DPOConfig(0.3, variant, eps))
     (g,) = torch.autograd.grad(out.loss, z)
     lp = torch.log_softmax(z, -1).gather(-1, y[..., None])[..., 0]
     expected, h = _dpo_reference(lp, ref_lp, mask, 0.3, variant, eps)
@@ -225,3 +226,19 @@ def test_multi_turn_pairs_train_only_their_model_turns(model, tok, ref):
     ids = prepared.batch.input_ids[1][prepared.mask[1].bool()].tolist()
     assert tok.decode(ids).startswith("I do not know the answer")
     assert "Try again" not in tok.decode(ids)
+
+
+def test_a_pair_whose_rendered_prompts_differ_is_refused(model, tok, ref):
+    """Tools in one rollout's metadata render a longer prompt (gateway rollouts always carry them): the pair's
+    text matched, so the loss came back 0.693 before; now a ValueError naming the pair."""
+    question = [Message("What is 312 + 85?")]
+    tools = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "expression": {"type": "string"}}}}}]
+    chosen = Rollout(question + [Message("The answer is \\boxed{397}.", MessageType.MODEL)], {"tools": tools})
+    rejected = Rollout(question + [Message("The answer is \\boxed{407}.", MessageType.MODEL)])
+    dpo = DPO(model, tok, ref_model=ref)
+    with pytest.raises(ValueError, match="DPO pair 0: .*different prompts .*tools and template arguments"):
+        dpo.calculate_loss([chosen], [rejected])
+    same = Rollout(question + [Message("The answer is \\boxed{407}.", MessageType.MODEL)], {"tools": tools})
+    assert torch.isfinite(dpo.calculate_loss([chosen], [same]))  # the same tools: one prompt

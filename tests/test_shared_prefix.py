@@ -12,11 +12,11 @@ from losses_helpers import assert_grads_close, grads, make_rollouts, multi_turn_
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, MistralConfig
 
 from SimpleTorchLLMRL.model.scoring import shared_prefix
-from SimpleTorchLLMRL.model.scoring.hidden import final_hidden_states
+from SimpleTorchLLMRL.model.scoring.head import final_hidden_states
 from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
-from SimpleTorchLLMRL.model.scoring.shared_prefix import first_positions, prefix_groups
+from SimpleTorchLLMRL.model.scoring.shared_prefix import first_positions, prefix_groups, shared_hidden_states
 from SimpleTorchLLMRL.testing.tiny import tiny_model
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
+from SimpleTorchLLMRL.trainer.grpo import GRPO
 
 V = 300
 
@@ -83,7 +83,7 @@ def test_hidden_states_and_gradients_equal_the_plain_forward(arch):
     out = []
     for s in (None, start):
         model.zero_grad(set_to_none=True)
-        h = final_hidden_states(model, ids, am, start=s)
+        h = shared_hidden_states(model, ids, am, start=s)
         (h * w * needed).sum().backward()
         out.append((h.detach() * needed, grads(model)))
     torch.testing.assert_close(out[1][0], out[0][0], rtol=0, atol=1e-10)
@@ -93,7 +93,7 @@ def test_hidden_states_and_gradients_equal_the_plain_forward(arch):
     for name, g in out[0][1].items():
         err = (out[1][1][name] - g).abs().max()
         assert err <= tol * g.abs().max(), (name, float(err), float(g.abs().max()))
-    h = final_hidden_states(model, ids, am, start=start).detach()
+    h = shared_hidden_states(model, ids, am, start=start).detach()
     before = torch.arange(ids.shape[1])[None] < start[:, None]
     assert (h[before] == 0).all()  # positions a row does not need are not computed
 
@@ -103,7 +103,7 @@ def test_the_prefix_runs_once_per_group():
     ids, am, positions = _batch()
     seen = []
     hook = model.model.embed_tokens.register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
-    final_hidden_states(model, ids, am, start=first_positions(positions), verify=False)
+    shared_hidden_states(model, ids, am, start=first_positions(positions), verify=False)
     hook.remove()
     B, T = ids.shape
     P, S = max(STARTS[i] for i in (0, 3, 5)), max(n - s for s, n in zip(STARTS, LENGTHS, strict=True))
@@ -122,7 +122,7 @@ def test_a_model_that_ignores_positions_is_refused_loudly():
     model.transformer.forward = forward
     ids, am, positions = _batch()
     with pytest.raises(ValueError, match="share_prefix gives other hidden states than the plain forward"):
-        final_hidden_states(model, ids, am, start=first_positions(positions))
+        shared_hidden_states(model, ids, am, start=first_positions(positions))
 
 
 def test_falls_back_to_the_plain_forward_when_nothing_is_shared_or_the_cache_is_off():
@@ -131,12 +131,12 @@ def test_falls_back_to_the_plain_forward_when_nothing_is_shared_or_the_cache_is_
     distinct = [0, 3, 5]
     start = first_positions(positions)
     plain = final_hidden_states(model, ids[distinct], am[distinct])
-    torch.testing.assert_close(final_hidden_states(model, ids[distinct], am[distinct], start=start[distinct]), plain)
+    torch.testing.assert_close(shared_hidden_states(model, ids[distinct], am[distinct], start=start[distinct]), plain)
     left = torch.flip(am, [1])  # a left-padded mask: the shared layout assumes right padding
-    torch.testing.assert_close(final_hidden_states(model, ids, left, start=start), final_hidden_states(model, ids, left))
+    torch.testing.assert_close(shared_hidden_states(model, ids, left, start=start), final_hidden_states(model, ids, left))
     model.gradient_checkpointing_enable()
     full = final_hidden_states(model, ids, am)
-    torch.testing.assert_close(final_hidden_states(model, ids, am, start=start), full)
+    torch.testing.assert_close(shared_hidden_states(model, ids, am, start=start), full)
 
 
 def _grpo_step(model, tok, rollouts, rewards, **kw):
@@ -196,15 +196,11 @@ def test_no_grad_logprob_pass_shares_too(qwen2_model, chatml_tokenizer):
 
     shared_prefix.shared_prefix_hidden_states = spy
     try:
-        from SimpleTorchLLMRL.model.scoring import hidden as lp_mod
-
-        lp_mod.shared_prefix_hidden_states = spy
         with torch.no_grad():
             a = token_logprobs(model, batch, positions=mask)
             b = token_logprobs(model, batch, positions=mask, share_prefix=True)
     finally:
         shared_prefix.shared_prefix_hidden_states = original
-        lp_mod.shared_prefix_hidden_states = original
     assert calls  # the shared path ran
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
@@ -248,8 +244,8 @@ def test_group_generation_with_a_shared_prefill_samples_what_the_plain_prefill_d
 
 
 def test_a_fresh_model_can_start_with_the_shared_forward():
-    """The head check of `final_hidden_states` reads the suffix forward's own last position."""
+    """The head check of `shared_hidden_states` reads the suffix forward's own last position."""
     model = tiny_model("qwen2", vocab_size=V).train()
     ids, am, positions = _batch()
-    hidden = final_hidden_states(model, ids, am, start=first_positions(positions))  # the model's first forward
+    hidden = shared_hidden_states(model, ids, am, start=first_positions(positions))  # the model's first forward
     assert hidden.shape == (*ids.shape, 64)

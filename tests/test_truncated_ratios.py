@@ -3,6 +3,8 @@ on-policy ratios exp(trainer - recorded) are 1 (float32, 1e-5) on every head ker
 for GRPO and PPO, in batches that mix truncated and untruncated turns; and loss + backward still wait
 for nothing (the kept set's ops are sync-free)."""
 
+import copy
+
 import pytest
 import torch
 from generation_helpers import peaked
@@ -13,8 +15,8 @@ from SimpleTorchLLMRL.chat.tokenize import rollouts_to_batch
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
-from SimpleTorchLLMRL.trainer.PPO import PPO
+from SimpleTorchLLMRL.trainer.grpo import GRPO
+from SimpleTorchLLMRL.trainer.ppo import PPO
 
 RATIO_TOL = 1e-5
 T = 0.8
@@ -84,3 +86,22 @@ def test_truncated_loss_and_backward_wait_for_nothing(setup):
                 ppo.calculate_loss(ppo_prepared).backward()
             assert_no_sync(counter)
             model.zero_grad()
+
+
+def test_sft_and_dpo_score_the_full_softmax_at_temperature_1(setup):
+    """SFT and DPO train the data's likelihood: neither the sampler's temperature nor its kept set applies."""
+    from SimpleTorchLLMRL.trainer.dpo import DPO
+    from SimpleTorchLLMRL.trainer.sft import SFT
+
+    model, tok = setup
+    rollouts = sampled(model, tok, "default", top_k=20)
+    batch = rollouts_to_batch(rollouts, tok)
+    with torch.no_grad():
+        full = token_logprobs(model, batch, 1.0, positions=batch.loss_mask)  # (B, T) full softmax, T = 1
+        sft_front = SFT(model, tok)
+        sft = sft_front.compute(sft_front.prepare(rollouts)).token_logprobs
+        dpo_front = DPO(model, tok, ref_model=copy.deepcopy(model))
+        dpo = dpo_front.compute(dpo_front.prepare(rollouts[0::2], rollouts[1::2])).token_logprobs  # rows in order
+    m = ~torch.isnan(sft)
+    torch.testing.assert_close(sft[m], full[m], rtol=0, atol=1e-5)
+    torch.testing.assert_close(dpo[m], full[m], rtol=0, atol=1e-5)

@@ -12,8 +12,8 @@ from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.model.scoring.head import check_vocabulary
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
-from SimpleTorchLLMRL.trainer.PPO import PPO, PPOConfig
+from SimpleTorchLLMRL.trainer.grpo import GRPO
+from SimpleTorchLLMRL.trainer.ppo import PPO, PPOConfig
 
 
 def _rollouts(n=4):

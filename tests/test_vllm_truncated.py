@@ -15,7 +15,7 @@ from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
-from SimpleTorchLLMRL.trainer.GRPO import GRPO
+from SimpleTorchLLMRL.trainer.grpo import GRPO
 
 pytestmark = [
     pytest.mark.vllm,

@@ -19,7 +19,7 @@ an async run resumable exactly: `in_flight(version)` gives the published weights
 `version` must keep (the versions its next batches are sampled by), and `history=` hands them to
 the producer of the resumed run. A batch that is still too old when taken (e.g. a producer fed
 from elsewhere) is dropped, or kept with `stale="keep"` for the trainer's truncated importance
-sampling to correct (`GRPO(..., tis_cap=2.0)`).
+sampling to correct (`GRPO(..., off_policy=OffPolicy.tis(2.0))`).
 """
 
 from __future__ import annotations

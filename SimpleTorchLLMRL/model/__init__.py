@@ -2,7 +2,7 @@
 
 - `generation/`: how a turn is sampled (sampling, picker, constrain, the HF and vLLM backends,
   the fast decode, the vLLM engine and its stream, watch, weight_sync);
-- `scoring/`: per-token log-probs through the output head (logprobs, head, hidden, the kernels,
+- `scoring/`: per-token log-probs through the output head (logprobs, head, the kernels,
   shared_prefix, truncation, liger);
 - here: `generate` (ModelGenerate), `lora`, `adapters`, `dropout`.
 

@@ -6,11 +6,14 @@ spread around 1 (0.87-1.24 measured) and clipping bites tokens it should not.
 
     disable_dropout(model)        # every nn.Dropout to p=0, attention dropout rates to 0
     active_dropout(model)         # names of modules that would still drop in train mode
+    warn_if_dropout(name, model)  # the trainer fronts' warning, once per front
 """
 
 from __future__ import annotations
 
 from torch import nn
+
+from SimpleTorchLLMRL.utils.warn import warn_user
 
 _RATE_ATTRIBUTES = ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout",
                     "dropout_rate")
@@ -47,3 +50,15 @@ def disable_dropout(model: nn.Module) -> nn.Module:
         if isinstance(getattr(config, attribute, None), float):
             setattr(config, attribute, 0.0)
     return model
+
+
+def warn_if_dropout(name: str, model) -> bool:
+    """Warn when a training model has dropout on (ratios are then not 1 on-policy). Returns whether it checked."""
+    if not model.training:
+        return False
+    active = active_dropout(model)
+    if active:
+        warn_user(f"{name}: the model trains with dropout on ({len(active)} modules, e.g. {active[0]}): "
+                  "log-probs then come from a random sub-network, on-policy ratios are not 1 and clipping "
+                  "bites where it should not. Call SimpleTorchLLMRL.model.dropout.disable_dropout(model) first.")
+    return True

@@ -1,181 +1,190 @@
-"""On-policy distillation over `Rollout`s: the student samples, a teacher scores, `calculate_loss` returns a tensor.
+"""On-policy distillation: the student samples, a teacher scores; two loss units and their front.
 
-Legend: B rollouts, T tokens, N trained tokens, H hidden size. Per-token tensors are (B, T), aligned with input_ids.
+Legend: B rollouts, T tokens, N trained tokens, n of a chunk, H hidden size, V vocab.
 
-    distill = Distill(student, tokenizer, teacher=teacher_model)        # or a vllm.LLM, or "rollouts"
-    rollouts = collect_rollouts(ModelGenerate(student, tokenizer), env, questions, answers)
-    loss = distill.calculate_loss(rollouts)                               # reverse KL to the teacher
-    loss = distill.calculate_loss(rollouts, rewards)                      # ... plus a GRPO advantage
-    loss.backward(); optimizer.step(); optimizer.zero_grad()
+    distill = Distill(student, tokenizer, teacher=teacher_model)     # or a vllm.LLM, or "rollouts"
+    loss = distill.calculate_loss(rollouts)                           # reverse KL to the teacher
+    loss = distill.calculate_loss(rollouts, rewards)                  # ... plus a GRPO advantage
 
-Micro-batches and epochs, as with GRPO:
-
-    prepared = distill.prepare(rollouts)              # encode; teacher log-probs once
-    for mb in prepared.split(4):                      # each keeps the full batch's normalizer
-        out = distill.compute(mb)                     # LossOutput(loss, metrics, token_logprobs)
-        out.loss.backward()
-
-A thin front over `trainer.teacher` (where the teacher's log-probs come from) and the pure
-units of `trainer.distill_loss`.
+`distill_loss`: A_t = -kl_coef (log p_student(y_t) - log p_teacher(y_t)) (+ an RL advantage), constant,
+in the policy-gradient loss -A_t r_t (or PPO-clipped); its expected gradient is that of KL(student ||
+teacher) (GKD; `tests/test_distill.py` checks it exactly). `jsd_loss`: GKD's generalized JSD over full
+distributions in TRL's `beta` convention, chunk by chunk under checkpoint, never (B, T, V). Where the
+teacher's log-probs come from: `trainer.teacher`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from SimpleTorchLLMRL.chat.message import Rollout
-from SimpleTorchLLMRL.model.scoring.head import logit_softcap, output_head
-from SimpleTorchLLMRL.model.scoring.hidden import final_hidden_states
-from SimpleTorchLLMRL.model.scoring.logprobs import logprobs_from_hidden, scatter_positions, token_logprobs
-from SimpleTorchLLMRL.model.scoring.shared_prefix import first_positions
-from SimpleTorchLLMRL.trainer import advantages as A
-from SimpleTorchLLMRL.trainer.batch import (
-    TrainBatch,
-    check_rewards,
-    encode,
-    model_device,
-    resolve_temperature,
-    trained_mask,
-    warn_if_dropout,
+from SimpleTorchLLMRL.model.dropout import warn_if_dropout
+from SimpleTorchLLMRL.model.scoring.head import (
+    final_hidden_states,
+    logit_softcap,
+    model_vocab_size,
+    output_head,
 )
-from SimpleTorchLLMRL.trainer.combine import LazyMetrics
-from SimpleTorchLLMRL.trainer.distill_loss import DIVERGENCES, distill_loss, jsd_loss
-from SimpleTorchLLMRL.trainer.losses import (
-    AGGREGATORS,
-    Clip,
-    LossOutput,
-    aggregation_weights,
-    default_normalizer,
-)
-from SimpleTorchLLMRL.trainer.options import (
-    UNSET,
-    ComputeOptions,
-    build_options,
-    named_options,
-    old_third_argument,
-    one_of,
-)
-from SimpleTorchLLMRL.trainer.teacher import (
-    check_teacher_tokenizer,
-    hf_teacher_logprobs,
-    rollout_teacher_logprobs,
-    vllm_teacher_logprobs,
-)
+from SimpleTorchLLMRL.model.scoring.logprobs import ComputeOptions, hidden_states, scatter_index
+from SimpleTorchLLMRL.trainer import losses as L
+from SimpleTorchLLMRL.trainer import pipeline as P
+from SimpleTorchLLMRL.trainer import teacher as source
+from SimpleTorchLLMRL.trainer.grpo import group_relative_advantages
+from SimpleTorchLLMRL.trainer.options import build_options, front_options
 
-__all__ = ["Distill", "DistillConfig", "DistillBatch"]
-
+DIVERGENCES = ("reverse_kl", "jsd")
 ROLLOUTS = "rollouts"  # teacher= for log-probs precomputed on the rollouts (trainer.teacher)
 
 
 @dataclass
 class DistillConfig:
-    """The options that change the math; each is also a keyword argument of `Distill`.
-
-    divergence: "reverse_kl" (the teacher's log-probs of the sampled tokens are enough; any
-    teacher source) or "jsd" (GKD's generalized JSD over full distributions; an HF teacher with
-    the student's vocabulary). kl_coef: the reverse KL advantage's weight. jsd_beta: 0 forward
-    KL(teacher || student), 1 reverse KL, between the generalized JSD (TRL's convention).
-    eps: None, the plain surrogate -A r; a float, PPO's clip [1 - eps, 1 + eps] (several epochs).
-    aggregate: "token_mean" | "sequence_mean_token_mean" | "token_sum_constant" (`losses.AGGREGATORS`).
-    temperature: None follows the rollouts' sampling temperature (1 when none is recorded).
-    teacher_temperature: None, the student's; a vLLM teacher scores at 1 only.
-    Rewards, when given: group-relative advantages (group_size / metadata["group_id"] / the prompt;
-    scale_rewards as GRPO's) times rl_coef, added to the distillation advantage.
-    """
+    """The options that change distillation's math; each is also a keyword argument of `Distill`."""
 
     divergence: str = "reverse_kl"
+    """"reverse_kl" (the teacher's log-probs of the sampled tokens suffice; any teacher source) or "jsd"
+    (GKD's generalized JSD over full distributions; an HF teacher with the student's vocabulary)."""
     kl_coef: float = 1.0
+    """Weight of the reverse-KL advantage."""
     jsd_beta: float = 0.5
+    """The JSD's interpolation: 0 forward KL(teacher || student), 1 reverse KL (TRL's convention)."""
     eps: float | None = None
+    """None: the plain surrogate -A r; a float: PPO's clip [1 - eps, 1 + eps] (several epochs)."""
     aggregate: str = "token_mean"
+    """How per-token losses are weighted: "token_mean" | "sequence_mean_token_mean" | "token_sum_constant"."""
     temperature: float | None = None
+    """None follows the rollouts' sampling temperature (1.0 when none is recorded)."""
     teacher_temperature: float | None = None
+    """The teacher's scoring temperature (None: the student's); a vLLM teacher scores at 1 only."""
     rl_coef: float = 1.0
+    """Weight of the group-relative RL advantage added when rewards are given."""
     group_size: int | None = None
+    """Groups of the RL advantage, as GRPO's (None: metadata["group_id"], else identical prompts)."""
     scale_rewards: bool | str = True
+    """Scaling of the RL advantage, as GRPO's."""
 
     def __post_init__(self):
-        def bad(name, allowed):
-            raise ValueError(f"Distill {name}={getattr(self, name)!r} is invalid; expected {allowed}")
-
-        if self.divergence not in DIVERGENCES:
-            bad("divergence", f"one of {DIVERGENCES}")
-        if self.aggregate not in AGGREGATORS:
-            bad("aggregate", f"one of {sorted(AGGREGATORS)}")
-        if self.scale_rewards not in (True, False, "group", "batch", "none"):
-            bad("scale_rewards", "True, False, 'group', 'batch' or 'none'")
         for name, ok, allowed in [
-            ("kl_coef", self.kl_coef >= 0, ">= 0"),
-            ("jsd_beta", 0 <= self.jsd_beta <= 1, "in [0, 1]"),
+            ("divergence", self.divergence in DIVERGENCES, f"one of {DIVERGENCES}"),
+            ("aggregate", self.aggregate in L.AGGREGATES, f"one of {L.AGGREGATES}"),
+            ("scale_rewards", self.scale_rewards in (True, False, "group", "batch", "none"),
+             "True, False, 'group', 'batch' or 'none'"),
+            ("kl_coef", self.kl_coef >= 0, ">= 0"), ("jsd_beta", 0 <= self.jsd_beta <= 1, "in [0, 1]"),
             ("eps", self.eps is None or 0 < self.eps < 1, "None or in (0, 1)"),
             ("temperature", self.temperature is None or self.temperature > 0, "None or > 0"),
             ("teacher_temperature", self.teacher_temperature is None or self.teacher_temperature > 0, "None or > 0"),
             ("group_size", self.group_size is None or self.group_size >= 1, "None or an int >= 1"),
         ]:
             if not ok:
-                bad(name, allowed)
+                raise ValueError(f"Distill {name}={getattr(self, name)!r} is invalid; expected {allowed}")
 
-    @property
-    def clip(self) -> Clip | None:
-        return None if self.eps is None else Clip(self.eps, self.eps)
+    clip = property(lambda self: None if self.eps is None else L.Clip(self.eps, self.eps))
 
 
-@dataclass
-class DistillBatch(TrainBatch):
-    """A `TrainBatch` with the teacher's log-probs of the trained tokens, (B, T) (None for "jsd")."""
+def distill_loss(inputs: L.LossInputs, config: DistillConfig) -> L.LossOutput:
+    """The reverse-KL-as-advantage policy-gradient loss of the trained tokens (module docstring).
 
-    teacher_logprobs: torch.Tensor | None = None
+    Reads logprobs, teacher_logprobs, old / sampler log-probs (the sampling policy: the ratio's
+    denominator and the student term of the advantage), advantages (an RL advantage, added)."""
+    x, lp = inputs, inputs.logprobs
+    if bool(torch.isnan(x.teacher_logprobs).any()):
+        raise ValueError("teacher_logprobs is NaN on a trained token: every trained token needs a teacher score")
+    old, _ = L.old_logprobs(lp, x.old_logprobs, x.sampler_logprobs)
+    teacher = x.teacher_logprobs.to(lp.dtype)
+    adv = -config.kl_coef * (old - teacher)
+    if x.advantages is not None:
+        adv = adv + x.advantages.to(lp.dtype)
+    log_ratio = lp - old
+    if config.clip is None:
+        per_token, clipped = -adv * torch.exp(log_ratio), None
+    else:
+        per_token, flags = L.clipped_surrogate(log_ratio, lp, adv, config.clip)
+        clipped = flags["clipped_low"] | flags["clipped_high"]
+    loss = (per_token * L.weights(config.aggregate, x)).sum()
+    ratio = torch.exp(log_ratio.detach())
+    mean = lambda t: (t.detach().float().mean(), L.TOKEN_MEAN)  # noqa: E731
+    metrics = dict(loss=(loss.detach(), L.SUM), reverse_kl=mean(old - teacher), advantage_mean=mean(adv),
+                   ratio_mean=mean(ratio), ratio_min=(ratio.min().float(), L.MIN), ratio_max=(ratio.max().float(), L.MAX),
+                   num_tokens=(L.count(x.num_tokens, lp), L.SUM), num_sequences=(L.count(x.rows, lp), L.SUM))
+    if clipped is not None:
+        metrics["clip_frac"] = mean(clipped)
+    if x.entropy is not None:
+        metrics["entropy"] = mean(x.entropy)
+    return L.LossOutput(loss, L.LazyMetrics.of(**metrics), lp.detach())
 
-    def split(self, micro_batch_size: int) -> list[DistillBatch]:
-        parts = super().split(micro_batch_size)
-        for start, part in zip(range(0, len(self), micro_batch_size), parts, strict=True):
-            if self.teacher_logprobs is not None:
-                T = part.mask.shape[1]
-                part.teacher_logprobs = self.teacher_logprobs[start: start + micro_batch_size, :T]
-        return parts
+
+def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float) -> torch.Tensor:
+    """(n, V) logits -> (n,) GKD's generalized JSD, TRL's `beta`: beta KL(teacher || M) + (1 - beta) KL(student || M),
+    M = beta teacher + (1 - beta) student; beta 0 is KL(teacher || student), 1 KL(student || teacher)."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"jsd beta must be in [0, 1], got {beta}")
+    s, t = torch.log_softmax(student_logits, dim=-1), torch.log_softmax(teacher_logits, dim=-1)
+    if beta == 0.0:
+        return (t.exp() * (t - s)).sum(-1)
+    if beta == 1.0:
+        return (s.exp() * (s - t)).sum(-1)
+    mix = torch.logsumexp(torch.stack([t + math.log(beta), s + math.log(1 - beta)]), dim=0)  # log M, (n, V)
+    return beta * (t.exp() * (t - mix)).sum(-1) + (1 - beta) * (s.exp() * (s - mix)).sum(-1)
 
 
-_NOT_OPTIONS = frozenset({"self", "model", "tokenizer", "config", "compute", "teacher", "teacher_tokenizer",
-                          "lora_request", "positional"})
+def _logits(head, h: torch.Tensor, softcap: float | None, inv_temp: float) -> torch.Tensor:
+    z = head(h).float()  # (n, V)
+    return (softcap * torch.tanh(z / softcap) if softcap else z) * inv_temp
 
 
+def jsd_loss(inputs: L.LossInputs, config: DistillConfig) -> L.LossOutput:
+    """sum_i w_i JSD_beta(student_i, teacher_i) over the N trained tokens, chunked; `LossOutput(..., logp (N,))`.
+
+    inputs.extra: "hidden" (N, H) the student's final hidden states that predict "targets" (N,) through
+    "head"; "teacher_hidden" (N, H') the teacher's (no gradient flows into them) through "teacher_head"
+    (both heads score one vocabulary); "softcap" / "teacher_softcap"; "chunk_size" tokens per chunk, each
+    chunk's logits built under `torch.utils.checkpoint` (backward recomputes one chunk at a time)."""
+    e, inv_temp = inputs.extra, 1.0 / inputs.temperature
+    hidden, targets, teacher_hidden = e["hidden"], e["targets"], e["teacher_hidden"].detach()
+    n, size = hidden.shape[0], e.get("chunk_size") or 512
+    if teacher_hidden.shape[0] != n or targets.shape != (n,):
+        raise ValueError(f"jsd_loss: hidden {tuple(hidden.shape)}, teacher_hidden {tuple(teacher_hidden.shape)} and "
+                         f"targets {tuple(targets.shape)} must agree on N")
+
+    def chunk(h, ht, y):
+        zs = _logits(e["head"], h, e.get("softcap"), inv_temp)  # (n, V)
+        with torch.no_grad():
+            zt = _logits(e["teacher_head"], ht, e.get("teacher_softcap"), inv_temp)  # (n, V), a constant
+        if zs.shape[-1] != zt.shape[-1]:
+            raise ValueError(f"jsd needs one vocabulary: the student scores {zs.shape[-1]} ids, the teacher "
+                             f"{zt.shape[-1]}; use the reverse-KL loss (log-probs of the sampled tokens only)")
+        return generalized_jsd(zs, zt, config.jsd_beta), zs.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(zs, -1)
+
+    parts = [checkpoint(chunk, hidden[s:s + size], teacher_hidden[s:s + size], targets[s:s + size],
+                        use_reentrant=False) if torch.is_grad_enabled()
+             else chunk(hidden[s:s + size], teacher_hidden[s:s + size], targets[s:s + size]) for s in range(0, n, size)]
+    div = torch.cat([d for d, _ in parts]) if parts else hidden.new_zeros(0, dtype=torch.float32)  # (N,)
+    logp = torch.cat([lp.detach() for _, lp in parts]) if parts else div.detach()
+    loss = (div * L.weights(config.aggregate, inputs).to(div.dtype)).sum()
+    metrics = L.LazyMetrics.of(loss=(loss.detach(), L.SUM), jsd=(div.detach().mean() if n else div.new_zeros(()), L.TOKEN_MEAN),
+                             num_tokens=(L.count(n, div), L.SUM), num_sequences=(L.count(inputs.rows, div), L.SUM))
+    return L.LossOutput(loss, metrics, logp)
+
+
+@front_options(DistillConfig)
 class Distill:
     """On-policy distillation of `model` (the student) toward `teacher`.
 
-    teacher: an HF causal LM (scored through the chunked head under `torch.no_grad`), a
-    `vllm.LLM` (prompt log-probs, temperature 1), or "rollouts" (each rollout's
-    `metadata["teacher_logprobs"]`, see `trainer.teacher`). teacher_tokenizer: the teacher's, when
-    it is not the student's; refused unless it encodes the rollouts to the same ids with the same
-    tokens (`trainer.teacher.check_teacher_tokenizer`).
-
-    `Distill(model, tokenizer, config=None, compute=None, **options)`, as `GRPO`: options are `DistillConfig`'s
-    and `ComputeOptions`' (chunk_size, head_impl, share_prefix, max_length, truncate; `fused` is accepted and
-    has no effect here), each a named keyword argument, plus teacher, teacher_tokenizer and lora_request; an
-    unknown one raises `UnknownOptionError` (a TypeError). `Distill(model, tokenizer, teacher)` (the teacher as
-    third positional argument, anything but a `DistillConfig`) still works. `metrics` and `token_logprobs`
-    record the last loss call.
-    """
+    teacher: an HF causal LM (scored through the chunked head under `torch.no_grad`), a `vllm.LLM` (prompt
+    log-probs, temperature 1), or "rollouts" (the default: each rollout's `metadata["teacher_logprobs"]`,
+    `trainer.teacher`). teacher_tokenizer: the teacher's when it is not the student's; refused unless it
+    encodes the rollouts to the same ids with the same tokens. lora_request: the vLLM teacher's adapter.
+    Options: `DistillConfig`'s and `ComputeOptions`', as GRPO's."""
 
     name = "Distill"
 
-    @named_options
     def __init__(self, model, tokenizer, config: DistillConfig | None = None, compute: ComputeOptions | None = None,
-                 *, teacher=UNSET, teacher_tokenizer=None, lora_request=None,
-                 divergence: str = UNSET, kl_coef: float = UNSET, jsd_beta: float = UNSET, eps: float | None = UNSET,
-                 aggregate: str = UNSET, temperature: float | None = UNSET, teacher_temperature: float | None = UNSET,
-                 rl_coef: float = UNSET, group_size: int | None = UNSET, scale_rewards: bool | str = UNSET,
-                 chunk_size: int | None = UNSET, head_impl: str = UNSET, max_length: int | None = UNSET,
-                 truncate: bool = UNSET, fused: bool | None = UNSET, share_prefix: bool = UNSET):
-        """config: a `DistillConfig`, compute: `ComputeOptions`; each keyword overrides its field.
-        teacher: an HF model, a `vllm.LLM` or "rollouts" (the default)."""
-        config, positional = old_third_argument(config, DistillConfig, lambda x: True)
-        teacher = one_of(self.name, "teacher", teacher, positional)
-        teacher = ROLLOUTS if teacher is UNSET else teacher
-        given = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
-        self.config, self.compute_options = build_options(self.name, DistillConfig, config, compute, given)
+                 *, teacher=ROLLOUTS, teacher_tokenizer=None, lora_request=None, **options):
+        self.config, self.compute_options = build_options(type(self), config, compute, options)
         if teacher is model:
             raise ValueError("Distill: the teacher is the student itself (the KL is always 0); pass another model")
         self.kind = "rollouts" if isinstance(teacher, str) and teacher == ROLLOUTS else (
@@ -183,9 +192,14 @@ class Distill:
         if self.kind is None:
             raise ValueError(f"Distill teacher={teacher!r:.60} is invalid; expected an HF model, a vllm.LLM or "
                              f"{ROLLOUTS!r} (log-probs precomputed in metadata['teacher_logprobs'])")
-        if self.config.divergence == "jsd" and self.kind != "hf":
-            raise ValueError(f"Distill divergence='jsd' needs the teacher's full distribution: an HF teacher, not "
-                             f"{self.kind!r} (which gives log-probs of the sampled tokens only; use 'reverse_kl')")
+        if self.config.divergence == "jsd":
+            if self.kind != "hf":
+                raise ValueError(f"Distill divergence='jsd' needs the teacher's full distribution: an HF teacher, not "
+                                 f"{self.kind!r} (which gives log-probs of the sampled tokens only; use 'reverse_kl')")
+            if model_vocab_size(teacher) != model_vocab_size(model):
+                raise ValueError(f"Distill divergence='jsd' needs one vocabulary: the student scores "
+                                 f"{model_vocab_size(model)} ids, the teacher {model_vocab_size(teacher)}; use "
+                                 "divergence='reverse_kl' (log-probs of the sampled tokens only)")
         if self.kind == "vllm" and self.config.teacher_temperature not in (None, 1.0):
             raise ValueError("Distill: a vLLM teacher's prompt log-probs are at temperature 1; "
                              f"teacher_temperature={self.config.teacher_temperature} cannot be honoured")
@@ -193,138 +207,81 @@ class Distill:
             teacher_tokenizer = teacher.get_tokenizer()
         self.model, self.tokenizer, self.teacher = model, tokenizer, teacher
         self.teacher_tokenizer, self.lora_request = teacher_tokenizer, lora_request
-        self.metrics: dict = LazyMetrics()  # the last loss call's metrics (tensors until read)
+        self.metrics: dict = L.LazyMetrics()  # the last loss call's metrics (tensors until read)
         self.token_logprobs: torch.Tensor | None = None  # (B, T) of the last loss call, NaN where not trained
         self._dropout_checked = False
 
-    # -- rollouts -> a prepared batch
-
-    def group_index(self, rollouts: list[Rollout]) -> torch.Tensor:
-        """(B,) long: group_size blocks, else metadata["group_id"], else identical prompt messages."""
-        return A.rollout_groups(rollouts, self.config.group_size)
-
-    def teacher_logprobs(self, rollouts: list[Rollout], batch, mask: torch.Tensor, temperature: float):
+    def teacher_logprobs(self, rollouts: list[Rollout], tb: P.TrainBatch, temperature: float) -> torch.Tensor:
         """(B, T) the teacher's log-probs of the trained tokens, from whichever source `teacher` is."""
-        o = self.compute_options
+        o, batch, mask = self.compute_options, tb.batch, tb.mask
         if self.kind == "rollouts":
-            return rollout_teacher_logprobs(rollouts, batch, mask)
-        check_teacher_tokenizer(self.tokenizer, self.teacher_tokenizer, rollouts, batch, o.max_length, o.truncate)
+            return source.rollout_teacher_logprobs(rollouts, batch, mask)
         if self.kind == "vllm":
             if abs(temperature - 1.0) > 1e-6:
                 raise ValueError(f"Distill: the rollouts were sampled at temperature {temperature} but a vLLM teacher "
                                  "scores at temperature 1; sample at 1 or use an HF teacher")
-            return vllm_teacher_logprobs(self.teacher, batch, mask, lora_request=self.lora_request)
-        return hf_teacher_logprobs(self.teacher, batch, mask, temperature=temperature, chunk_size=o.chunk_size,
-                                   head_impl=o.head_impl, tokenizer=self.teacher_tokenizer or self.tokenizer)
+            return source.vllm_teacher_logprobs(self.teacher, batch, mask, lora_request=self.lora_request)
+        return source.hf_teacher_logprobs(self.teacher, batch, mask, temperature=temperature, chunk_size=o.chunk_size,
+                                          head_impl=o.head_impl, tokenizer=self.teacher_tokenizer or self.tokenizer)
 
-    def prepare(self, rollouts: list[Rollout], rewards=None, compute_old: bool = True) -> DistillBatch:
-        """Encode; the teacher's log-probs (reverse KL) once; old log-probs; RL advantages when rewards are given.
-
-        compute_old: recompute (no grad) the student's log-probs where the rollouts carry no sampled
-        ones, so several epochs share one old policy; False: those tokens are on-policy (ratio 1)."""
+    def prepare(self, rollouts: list[Rollout], rewards=None, compute_old: bool = True) -> P.TrainBatch:
+        """Encode; the teacher's log-probs (reverse KL) once; the student's old log-probs where the rollouts carry
+        no sampled ones (compute_old; else those tokens are on-policy); RL advantages when rewards are given."""
         cfg, o = self.config, self.compute_options
-        batch = encode(self.name, rollouts, self.tokenizer, model_device(self.model), o.max_length, o.truncate)
-        mask = trained_mask(batch)
-        temperature = resolve_temperature(self.name, cfg.temperature, batch.sampling_temperature)
-        teacher_t = cfg.teacher_temperature or temperature
-        teacher = None if cfg.divergence == "jsd" else self.teacher_logprobs(rollouts, batch, mask, teacher_t)
-        if cfg.divergence == "jsd" and self.teacher_tokenizer is not None:
-            check_teacher_tokenizer(self.tokenizer, self.teacher_tokenizer, rollouts, batch, o.max_length, o.truncate)
-        sampled = batch.sampler_logprobs
-        old = None
-        missing = sampled is None or bool(torch.isnan(sampled[mask.bool()]).any())
-        if compute_old and missing:
-            with torch.no_grad():
-                old = token_logprobs(self.model, batch, temperature, o.chunk_size, positions=mask,
-                                     share_prefix=o.share_prefix, head_impl=o.head_impl, truncation=batch.truncation)
-        if sampled is not None:  # the sampler's log-probs are the old policy where known
-            old = torch.where(torch.isnan(sampled), old if old is not None else torch.nan, sampled)
-        metrics: dict = {"temperature": temperature}
-        adv = None
+        if rewards is not None and cfg.divergence == "jsd":
+            raise ValueError("Distill divergence='jsd' takes no rewards; use divergence='reverse_kl' to add an "
+                             "RL advantage")
+        tb = P.train_batch(self.name, self.model, self.tokenizer, rollouts, o, temperature=cfg.temperature,
+                           rewards=rewards, normalizer=lambda m: L.normalizer(cfg.aggregate, m))
+        if self.kind != "rollouts":
+            source.check_teacher_tokenizer(self.tokenizer, self.teacher_tokenizer, rollouts, tb.batch, o.max_length,
+                                           o.truncate)
+        if self.kind == "hf":
+            P.check_token_ids(self.name, tb.batch, self.teacher, "the teacher")
+        if cfg.divergence != "jsd":
+            tb.teacher_logprobs = self.teacher_logprobs(rollouts, tb, cfg.teacher_temperature or tb.temperature)
+        if compute_old and L.needs_old_pass(tb.sampler_logprobs, tb.mask):
+            tb.old_logprobs = P.logprobs_pass(self.model, tb, o)
         if rewards is not None:
-            if cfg.divergence == "jsd":
-                raise ValueError("Distill divergence='jsd' takes no rewards; use divergence='reverse_kl' to add an "
-                                 "RL advantage")
-            r = check_rewards(rewards, len(rollouts))
-            adv = cfg.rl_coef * A.group_relative_advantages(r, self.group_index(rollouts), cfg.scale_rewards)
-            metrics.update(reward_mean=r.mean().item(), rl_advantage_abs_mean=adv.abs().mean().item())
-            adv = adv.to(batch.input_ids.device)
-        else:
-            r = torch.zeros(len(rollouts))
-        norm = default_normalizer(cfg.aggregate, mask)
-        return DistillBatch(batch, mask, r.to(batch.input_ids.device), temperature, norm, advantages=adv,
-                            old_logprobs=old, metrics=metrics, teacher_logprobs=teacher)
+            r = tb.rewards.cpu()
+            adv = cfg.rl_coef * group_relative_advantages(r, P.rollout_groups(rollouts, cfg.group_size),
+                                                          cfg.scale_rewards)
+            tb.metrics.update(reward_mean=r.mean().item(), rl_advantage_abs_mean=adv.abs().mean().item())
+            tb.advantages = adv.to(tb.mask.device)
+        return tb
 
-    # -- the loss
-
-    def compute(self, db: DistillBatch, normalizer: float | None = None) -> LossOutput:
-        """`LossOutput(loss, metrics, token_logprobs)` of a prepared (micro-)batch: metrics the unit's
-        (`distill_loss` / `jsd_loss`) with the batch's, a `LazyMetrics` of tensors until read; token_logprobs
-        the student's recomputed log-probs (B, T), NaN where not trained.
-
-        normalizer: the FULL batch's denominator when you micro-batch yourself (`split` keeps it)."""
-        cfg, o, mask, batch = self.config, self.compute_options, db.mask, db.batch
-        if not self._dropout_checked:
+    def compute(self, tb: P.TrainBatch, normalizer: float | None = None) -> L.LossOutput:
+        """`LossOutput(loss, metrics, token_logprobs)` of a prepared (micro-)batch: the unit's metrics with the
+        batch's (tensors until read); token_logprobs the student's (B, T), NaN where not trained."""
+        if self.model.training and not self._dropout_checked:  # once, when it trains
             self._dropout_checked = warn_if_dropout(self.name, self.model)
-        norm = normalizer if normalizer is not None else db.normalizer
-        start = first_positions(mask) if o.share_prefix else None  # (B,) first hidden state a row needs
-        hidden = final_hidden_states(self.model, batch.input_ids, batch.attention_mask, start=start)  # (B, T, H)
-        select = mask[:, 1:].bool()  # (B, T-1): token t+1 is trained, predicted from position t
-        h, y = hidden[:, :-1][select], batch.input_ids[:, 1:][select]  # (N, H), (N,)
-        head, softcap = output_head(self.model), logit_softcap(self.model)
-        if cfg.divergence == "jsd":
-            out, entropy = self._jsd(db, select, h, y, norm), None
-            lp = out.logprobs
+        if self.config.divergence == "jsd":
+            out = self._jsd(tb, normalizer)
         else:
-            trunc = None if batch.truncation is None else batch.truncation.map(lambda t: t[:, 1:][select])
-            lp, entropy = logprobs_from_hidden(h, head, y, temperature=db.temperature, chunk_size=o.chunk_size,
-                                               softcap=softcap, head_impl=o.head_impl, truncation=trunc)  # (N,)
-            logp = scatter_positions(lp, select)  # (B, T)
-            old = db.old_logprobs
-            if old is not None:
-                old = torch.where(torch.isnan(old), logp.detach(), old)
-            out = distill_loss(logprobs=logp, teacher_logprobs=db.teacher_logprobs, mask=mask, old_logprobs=old,
-                               advantages=db.advantages, kl_coef=cfg.kl_coef, clip=cfg.clip, aggregate=cfg.aggregate,
-                               normalizer=norm)
-            lp = lp.detach()
-        full = torch.full(mask.shape, torch.nan, device=lp.device)  # (B, T)
-        full[:, 1:][select] = lp.float()
-        extra = {"num_sequences": torch.full((), len(db), dtype=torch.long, device=mask.device)}
-        if entropy is not None and entropy.numel():
-            extra["entropy"] = entropy.float().mean()
-        metrics = LazyMetrics.merged(db.metrics, out.metrics, extra)  # tensors until read
-        self.metrics, self.token_logprobs = metrics, full  # the record of this call
-        return LossOutput(out.loss, metrics, full)
+            out = P.run_unit(distill_loss, self.config, self.model, tb, self.compute_options, normalizer)
+        self.metrics, self.token_logprobs = out.metrics, out.token_logprobs  # the record of this call
+        return out
 
-    def _jsd(self, db: DistillBatch, select, h, y, norm):
-        cfg, o = self.config, self.compute_options
-        teacher_device = next(self.teacher.parameters()).device
+    def _jsd(self, tb: P.TrainBatch, normalizer: float | None) -> L.LossOutput:
+        B, T = tb.mask.shape
+        hidden = hidden_states(self.model, tb, self.compute_options)  # (B, T, H)
+        device = next(self.teacher.parameters()).device
         with torch.no_grad():
-            th = final_hidden_states(self.teacher, db.batch.input_ids.to(teacher_device),
-                                     db.batch.attention_mask.to(teacher_device))  # (B, T, H')
-            th = th[:, :-1][select.to(teacher_device)]  # (N, H')
-        weight = aggregation_weights(cfg.aggregate, db.mask, norm)[:, 1:][select]  # (N,)
-        return jsd_loss(hidden=h, head=output_head(self.model), teacher_hidden=th,
-                        teacher_head=_OnDevice(output_head(self.teacher), h.device), targets=y, weight=weight,
-                        beta=cfg.jsd_beta, temperature=db.temperature,
-                        chunk_size=o.chunk_size or 512, softcap=logit_softcap(self.model),
-                        teacher_softcap=logit_softcap(self.teacher))
+            th = final_hidden_states(self.teacher, tb.input_ids.to(device), tb.attention_mask.to(device))  # (B, T, H')
+        index, teacher_head = tb.token_index, output_head(self.teacher)  # on the teacher's device
+        extra = dict(hidden=hidden.reshape(B * T, -1).index_select(0, index),
+                     targets=tb.input_ids.reshape(-1).index_select(0, index + 1),
+                     teacher_hidden=th.reshape(B * T, -1).index_select(0, index.to(device)),
+                     head=output_head(self.model), teacher_head=lambda h: teacher_head(h).to(hidden.device),
+                     softcap=logit_softcap(self.model), teacher_softcap=logit_softcap(self.teacher),
+                     chunk_size=self.compute_options.chunk_size)
+        out = jsd_loss(P.loss_inputs(tb, normalizer, extra=extra), self.config)
+        metrics = L.LazyMetrics.merged(tb.metrics, out.metrics, temperature=tb.temperature)
+        full = scatter_index(out.token_logprobs.float(), index + 1, (B, T), torch.nan)
+        return L.LossOutput(out.loss, metrics, full)
 
     def calculate_loss(self, rollouts, rewards=None, normalizer: float | None = None) -> torch.Tensor:
-        """Scalar loss over `rollouts` (and their (B,) rewards, if any), or over a prepared `DistillBatch`."""
-        if isinstance(rollouts, DistillBatch):
-            if rewards is not None:
-                raise ValueError("calculate_loss(prepared_batch) takes no rewards: they are in the prepared batch")
-            return self.compute(rollouts, normalizer).loss
+        """Scalar loss over `rollouts` (and their (B,) rewards, if any), or over a prepared `TrainBatch`."""
+        if isinstance(rollouts, P.TrainBatch):
+            return self.compute(P.as_train_batch(rollouts, rewards, self.prepare), normalizer).loss
         return self.compute(self.prepare(rollouts, rewards, compute_old=False), normalizer).loss
-
-
-class _OnDevice(nn.Module):
-    """The teacher's head on the teacher's device, its logits moved to the student's (`device`)."""
-
-    def __init__(self, head: nn.Module, device: torch.device):
-        super().__init__()
-        self.head, self.device = head, device
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.head(h).to(self.device)

@@ -1,105 +1,283 @@
-"""The pieces every loss unit shares: `LossOutput`, ratios, what "old" means, KL estimators, surrogates,
-aggregators.
+"""The contract of every loss unit, `fn(inputs: LossInputs, config) -> LossOutput`, and what units share.
 
-Legend: B batch, T tokens. Every per-token tensor is (B, T) and aligned with
-input_ids; `mask` (B, T) is 1 on the tokens that are trained. Per-token losses
-are returned unaggregated; an aggregator turns them into a scalar with a
-caller-supplied `normalizer`, so summing micro-batch losses that share the
-full batch's normalizer equals the full-batch loss.
+Legend: N trained tokens of the batch (row-major: row 0's first, ...), n of a chunk, B sequences (rows).
 
-The GRPO family is a table of compositions (`LOSS_TYPES`): a per-token
-policy loss, the ratio level and an aggregator. The loss units themselves are one file per
-family: `grpo_loss`, `ppo_loss`, `distill_loss`, `sft`, `dpo` (docs/losses.md lists them).
+A loss unit is one pure function and one config dataclass: it reads the N trained tokens' tensors
+from `LossInputs` (named by where they come from) and returns the scalar loss, its metrics (0-dim
+tensors, each with how it combines over micro-batches: `Reduce`) and the tokens' log-probs. A new
+loss touches no file here. Shared: what "old" means (`old_logprobs`, decided once), the aggregates
+(per-token weights from the FULL batch's normalizer, so micro-batch losses add up), KL estimators,
+the PPO clip and the sampler-vs-trainer mismatch metrics.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import NamedTuple
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, NamedTuple
 
 import torch
 
-# ---------------------------------------------------------------- what a loss unit returns
+# ---------------------------------------------------------------- inputs and output
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """Per-token inputs of a loss unit, each (N,) over the batch's trained tokens unless noted."""
+
+    logprobs: torch.Tensor | None
+    """The policy's log-probs now, with grad (None for a unit that scores hidden states itself)."""
+    row: torch.Tensor
+    """Long: the sequence (rollout) each token belongs to, 0..rows-1."""
+    rows: int
+    """B, the sequences of this (micro-)batch."""
+    row_tokens: torch.Tensor
+    """Float: how many trained tokens the token's sequence has (all of them, also in a chunk)."""
+    normalizer: float | None = None
+    """The FULL batch's denominator of the unit's aggregate; None: this batch's own (`normalizer`)."""
+    advantages: torch.Tensor | None = None
+    """Each token's advantage (a rollout's advantage repeated on its tokens, or per token)."""
+    old_logprobs: torch.Tensor | None = None
+    """The trainer's own log-probs before the update; NaN where not computed (on-policy there)."""
+    sampler_logprobs: torch.Tensor | None = None
+    """The generator's, as sampled; NaN where unknown; None when no rollout carries any."""
+    ref_logprobs: torch.Tensor | None = None
+    """The reference policy's (a KL penalty)."""
+    teacher_logprobs: torch.Tensor | None = None
+    """A distillation teacher's log-probs of the same tokens."""
+    entropy: torch.Tensor | None = None
+    """The policy's entropy at each token (reported; a unit may train on it)."""
+    values: torch.Tensor | None = None
+    """A critic's values, with grad; `old_values` and `returns` beside them (PPO)."""
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    group: torch.Tensor | None = None
+    """(B,) long: each sequence's group (the rollouts of one prompt)."""
+    temperature: float = 1.0
+    """The sampling temperature the log-probs are computed at."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """What a unit needs beside these (e.g. the JSD's hidden states and heads)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.row.shape[0]
+
+    def chunk(self, sl: slice, logprobs: torch.Tensor) -> LossInputs:
+        """The tokens `sl` with `logprobs` (n,) as theirs; per-sequence facts (row_tokens, rows) stay whole."""
+        cut = {f.name: getattr(self, f.name)[sl] for f in fields(self)
+               if isinstance(getattr(self, f.name), torch.Tensor) and f.name != "group"}
+        return replace(self, **{**cut, "logprobs": logprobs})
+
+    @classmethod
+    def from_tokens(cls, mask: torch.Tensor, normalizer: float | None = None, **tensors) -> LossInputs:
+        """From (B, T) tensors aligned with input_ids: the tokens where `mask` is set (column 0 never).
+
+        tensors: `LossInputs` fields as (B, T) tensors, or (B,) for `advantages` (per rollout) and `group`."""
+        select = mask.bool().clone()
+        select[:, 0] = False  # nothing predicts the first token
+        B = mask.shape[0]
+        row = torch.arange(B, device=mask.device)[:, None].expand_as(select)[select]  # (N,)
+        picked = {}
+        for name, t in tensors.items():
+            if isinstance(t, torch.Tensor) and name != "group":
+                t = t.to(mask.device)
+                picked[name] = t.index_select(0, row) if t.dim() == 1 else t[select]
+            else:
+                picked[name] = t
+        counts = select.sum(-1).float()  # (B,)
+        return cls(row=row, rows=B, row_tokens=counts.index_select(0, row), normalizer=normalizer,
+                   **{"logprobs": None, **picked})
 
 
 class LossOutput(NamedTuple):
     """What every loss unit (and every front's `compute`) returns.
 
     loss: the scalar loss with grad, a share of the full batch's when a normalizer was passed.
-    metrics: a dict of 0-dim tensors (a `combine.LazyMetrics` from the GRPO family, PPO and the
-    fronts), in `combine_metrics`' form: nothing waits for the device until a value is read.
-    token_logprobs: the trained tokens' log-probs, detached, shaped as the unit's input: (N,)
-    for `grpo_loss` (hidden states of the N trained tokens), (B, T) for the units on (B, T)
-    tensors and for the fronts' `compute` (NaN where not trained there).
+    metrics: a `LazyMetrics` of 0-dim tensors, each with its reduction (`combine_metrics`).
+    token_logprobs: the trained tokens' log-probs, detached: (N,) from a unit, (B, T) from a
+    front's `compute` (NaN where not trained).
     """
 
     loss: torch.Tensor
     metrics: dict
     token_logprobs: torch.Tensor
 
-    @property
-    def logprobs(self) -> torch.Tensor:
-        """The old name of `token_logprobs`."""
-        return self.token_logprobs
+
+# ---------------------------------------------------------------- metrics that carry their reduction
 
 
-# ---------------------------------------------------------------- importance ratios
+class Reduce(NamedTuple):
+    """How one metric combines over micro-batches: "sum", "mean" (weighted by the metric `weight`),
+    "min", "max", "first" (the same in every part), or "derived" (`derive(combined metrics)`)."""
+
+    how: str
+    weight: str | None = None
+    derive: Callable[[dict], Any] | None = None
 
 
-def token_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
-    """log pi / pi_old per token, any shape."""
-    return logp - old_logp
+SUM, MIN, MAX, FIRST = Reduce("sum"), Reduce("min"), Reduce("max"), Reduce("first")
+TOKEN_MEAN = Reduce("mean", "num_tokens")  # a mean over the trained tokens
+SEQUENCE_MEAN = Reduce("mean", "num_sequences")  # a mean over the rollouts
 
 
-def sequence_log_ratio(log_ratio: torch.Tensor, row: torch.Tensor, rows: int) -> torch.Tensor:
-    """GSPO: each rollout's length-normalized log-ratio, mean_t (log pi - log pi_old), on each of its tokens.
+class LazyMetrics(dict):
+    """A dict of metrics whose tensor values become numbers on the first read, all in one transfer.
 
-    log_ratio (n,) per trained token, row (n,) long its rollout, rows B -> (n,). The gradient
-    of token t's entry flows to every token of its rollout, 1 / |rollout| each.
+    Units put 0-dim tensors here (no `.item()`, which would wait for the device mid-step); reading a
+    value, iterating, `dict(m)` or `json.dumps(m)` after `backward()` materializes them all at once.
+    `reductions` says how each combines over micro-batches; a value without one is "first"."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reductions: dict[str, Reduce] = {}
+        self._lazy = any(isinstance(v, torch.Tensor) for v in dict.values(self))
+
+    @classmethod
+    def of(cls, **named: tuple[Any, Reduce]) -> LazyMetrics:
+        """`LazyMetrics.of(loss=(x, SUM), entropy=(e, TOKEN_MEAN))`: values with their reductions."""
+        out = cls({k: v for k, (v, _) in named.items()})
+        out.reductions = {k: r for k, (_, r) in named.items()}
+        return out
+
+    @classmethod
+    def merged(cls, *parts, **extra) -> LazyMetrics:
+        """The parts' entries and reductions in order (later ones win), materializing none of them."""
+        out = cls()
+        for part in (*parts, extra):
+            dict.update(out, dict.items(part))
+            out.reductions.update(getattr(part, "reductions", {}))
+        out._lazy = any(isinstance(v, torch.Tensor) for v in dict.values(out))
+        return out
+
+    def materialize(self) -> LazyMetrics:
+        """Turn every tensor value into a number (one device-to-host copy; ints stay ints); returns self."""
+        keys = [k for k, v in dict.items(self) if isinstance(v, torch.Tensor)] if self._lazy else []
+        if keys:
+            tensors = [dict.__getitem__(self, k).detach() for k in keys]
+            values = torch.stack([t.reshape(()).to(torch.float64) for t in tensors]).tolist()
+            for k, t, v in zip(keys, tensors, values, strict=True):
+                dict.__setitem__(self, k, v if t.is_floating_point() or t.is_complex() else int(v))
+        self._lazy = False
+        return self
+
+    def __setitem__(self, key, value):
+        dict.__setitem__(self, key, value)
+        self._lazy = self._lazy or isinstance(value, torch.Tensor)
+
+    def __getitem__(self, key):
+        return dict.__getitem__(self.materialize(), key)
+
+    def get(self, key, default=None):
+        return dict.get(self.materialize(), key, default)
+
+    def __iter__(self):  # also takes `dict(m)` / `{**m}` off CPython's raw-storage fast path
+        return dict.__iter__(self.materialize())
+
+    def items(self):
+        return dict.items(self.materialize())
+
+    def values(self):
+        return dict.values(self.materialize())
+
+    def __repr__(self) -> str:
+        return dict.__repr__(self.materialize())
+
+    def __eq__(self, other):
+        return dict.__eq__(self.materialize(), other)
+
+    __hash__ = None
+
+    def __reduce__(self):
+        return dict, (dict(self.items()),)
+
+
+def count(n: int, like: torch.Tensor) -> torch.Tensor:
+    """A 0-dim long tensor on `like`'s device holding a host-known count (a fill: no copy, no sync)."""
+    return torch.full((), n, dtype=torch.long, device=like.device)
+
+
+# ---------------------------------------------------------------- what "old" means
+
+
+def old_logprobs(current: torch.Tensor, trainer: torch.Tensor | None = None, sampled: torch.Tensor | None = None,
+                 off_policy=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the old log-probs of the importance ratio, the trainer's old log-probs), elementwise, detached.
+
+    The one place "old" is decided. current: the policy's log-probs now; trainer: its own before
+    the update, NaN (or None) where not computed: there the current policy's (on-policy, ratio 1);
+    sampled: the generator's, NaN where unknown. Without an off-policy correction the sampler's
+    log-probs are the old policy where known (no extra forward); with one, the ratio uses the
+    trainer's own (decoupled PPO) and the correction reweights by pi_trainer / pi_sampler.
     """
-    count = torch.zeros(rows, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(
-        0, row, torch.ones_like(log_ratio))  # (B,)
-    total = torch.zeros(rows, dtype=log_ratio.dtype, device=log_ratio.device).index_add(0, row, log_ratio)
-    return (total / count.clamp(min=1)).index_select(0, row)
+    current = current.detach()
+    own = current if trainer is None else torch.where(torch.isnan(trainer), current, trainer.to(current.dtype))
+    if off_policy is not None or sampled is None:
+        return own, own
+    return torch.where(torch.isnan(sampled), own, sampled.to(own.dtype)), own
 
 
-def old_and_tis(trainer_old: torch.Tensor, sampled: torch.Tensor | None, mask: torch.Tensor | None,
-                tis_cap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Old log-probs for the ratio, and the TIS weight (None without tis_cap), both shaped as `trainer_old`.
+def needs_old_pass(sampled: torch.Tensor | None, mask: torch.Tensor, off_policy=None) -> bool:
+    """Whether `old_logprobs` reads the trainer's own old log-probs beyond the current policy (a no-grad pass
+    before the update): with an off-policy correction, or where the sampler's are unknown. Waits for the device."""
+    return off_policy is not None or sampled is None or bool(torch.isnan(sampled[mask.bool()]).any())
 
-    The one place GRPO and PPO decide what "old" means. trainer_old: the trainer's own old
-    log-probs (`old_logprobs`); sampled: the generator's (`sampler_logprobs`, NaN where unknown).
-    Without TIS the sampler's log-probs are the old policy where known (the trainer's
-    elsewhere). With TIS the ratio uses the trainer's and min(pi_trainer / pi_sampler, cap)
-    reweights each token. Positions outside `mask` (None: every position is trained) get finite
-    values so nothing NaN reaches the graph. Works on (B, T) and on (N,) trained tokens alike.
-    """
-    m = torch.ones_like(trainer_old, dtype=torch.bool) if mask is None else mask.bool()
-    if sampled is None:
-        return torch.where(m, trainer_old, 0.0), None
-    known = m & ~torch.isnan(sampled)
-    if tis_cap is None:
-        return torch.where(known, sampled, torch.where(m, trainer_old, 0.0)), None
-    weight = truncated_is_weight(trainer_old, torch.where(known, sampled, torch.nan), tis_cap)
-    return torch.where(m, trainer_old, 0.0), weight
+
+# ---------------------------------------------------------------- aggregation
+
+
+AGGREGATES = ("token_mean", "sequence_mean_token_mean", "token_sum_constant")
+
+
+def check_aggregate(name: str, where: str) -> None:
+    """ValueError naming `where` unless `name` is one of `AGGREGATES`."""
+    if name not in AGGREGATES:
+        raise ValueError(f"{where} aggregate={name!r} is invalid; expected one of {AGGREGATES}")
+
+
+def normalizer(aggregate: str, mask: torch.Tensor, max_tokens: int | None = None) -> float:
+    """The FULL batch's denominator of `aggregate` from its (B, T) trained-token mask (give it to every
+    micro-batch): trained tokens (token_mean), rows (sequence_mean_token_mean) or rows x max_tokens
+    (token_sum_constant; None: the longest row)."""
+    check_aggregate(aggregate, "normalizer")
+    if aggregate == "token_mean":
+        return float(mask.sum())
+    if aggregate == "sequence_mean_token_mean":
+        return float(mask.shape[0])
+    per_row = max_tokens if max_tokens is not None else int(mask.sum(-1).max())
+    return float(mask.shape[0] * per_row)
+
+
+def weights(aggregate: str, inputs: LossInputs, max_tokens: int | None = None) -> torch.Tensor:
+    """(n,) per-token weights w with `(x * w).sum()` the aggregate of per-token values x.
+
+    token_mean: 1 / normalizer (DAPO, BNPO, CISPO, PPO, SFT); sequence_mean_token_mean: 1 / (the
+    row's tokens x normalizer) (GRPO, GSPO); token_sum_constant: 1 / normalizer (Dr. GRPO)."""
+    check_aggregate(aggregate, "weights")
+    norm = inputs.normalizer
+    if norm is None:  # this batch's own
+        per_row = max_tokens if max_tokens is not None else float(inputs.row_tokens.max()) if inputs.num_tokens else 0
+        norm = {"token_mean": inputs.num_tokens, "sequence_mean_token_mean": inputs.rows}.get(
+            aggregate, inputs.rows * per_row)
+    w = torch.full_like(inputs.row_tokens, 1.0 / max(float(norm), 1.0))
+    return w / inputs.row_tokens.clamp(min=1) if aggregate == "sequence_mean_token_mean" else w
 
 
 # ---------------------------------------------------------------- KL estimators (samples from pi)
 
 
 def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k1 = log pi - log ref (unbiased, high variance), (B, T)."""
+    """k1 = log pi - log ref (unbiased, high variance)."""
     return logp - ref_logp
 
 
 def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k2 = (log pi - log ref)^2 / 2, (B, T)."""
+    """k2 = (log pi - log ref)^2 / 2."""
     return 0.5 * (logp - ref_logp) ** 2
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k3 = ref/pi - log(ref/pi) - 1 >= 0 (unbiased, low variance; GRPO's choice), (B, T)."""
+    """k3 = ref/pi - log(ref/pi) - 1 >= 0 (unbiased, low variance; GRPO's choice)."""
     d = ref_logp - logp
     return torch.exp(d) - d - 1
 
@@ -108,7 +286,7 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
     "k1": kl_k1, "k2": kl_k2, "k3": kl_k3,
 }
 
-# ---------------------------------------------------------------- per-token policy losses
+# ---------------------------------------------------------------- the PPO clip
 
 
 @dataclass(frozen=True)
@@ -129,173 +307,71 @@ class Clip:
 
 
 def clipped_surrogate(log_ratio: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor, clip: Clip):
-    """PPO-clip: -min(r A, clip(r, 1-low, 1+high) A), optional dual clip, (B, T).
+    """PPO-clip: -min(r A, clip(r, 1-low, 1+high) A), optional dual clip; elementwise.
 
-    adv (B, T) or (B, 1). Returns (loss, clipped) where clipped (B, T) bool marks
-    tokens whose gradient the clip removed (low side: r < 1-low, A < 0; high side: r > 1+high, A > 0).
+    Returns (loss, flags): flags' "clipped_low" / "clipped_high" mark the tokens whose gradient the
+    clip removed (low side: r < 1-low, A < 0; high side: r > 1+high, A > 0).
     """
     ratio = torch.exp(log_ratio)
-    unclipped = ratio * adv
-    clipped_obj = torch.clamp(ratio, 1 - clip.low, 1 + clip.high) * adv
-    loss = -torch.minimum(unclipped, clipped_obj)
+    loss = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip.low, 1 + clip.high) * adv)
     if clip.dual is not None:
         loss = torch.where(adv < 0, torch.minimum(loss, -clip.dual * adv), loss)
-    low = (ratio < 1 - clip.low) & (adv < 0)
-    high = (ratio > 1 + clip.high) & (adv > 0)
-    return loss, {"clipped_low": low, "clipped_high": high}
+    return loss, {"clipped_low": (ratio < 1 - clip.low) & (adv < 0), "clipped_high": (ratio > 1 + clip.high) & (adv > 0)}
 
 
-def cispo_loss(log_ratio: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor, clip: Clip):
-    """CISPO (MiniMax-M1): -sg(min(r, 1+high)) A log pi, (B, T).
+def ratio_metrics(ratio: torch.Tensor, flags: dict) -> dict:
+    """The ratio's mean / min / max and the clip fractions of (n,) tokens, with their reductions."""
+    low, high = flags["clipped_low"].float().mean(), flags["clipped_high"].float().mean()
+    return dict(ratio_mean=(ratio.mean(), TOKEN_MEAN), ratio_min=(ratio.min(), MIN), ratio_max=(ratio.max(), MAX),
+                clip_frac_low=(low, TOKEN_MEAN), clip_frac_high=(high, TOKEN_MEAN), clip_frac=(low + high, TOKEN_MEAN))
 
-    The importance weight is clipped from above only and detached; every token
-    keeps a gradient through log pi (nothing is dropped, unlike PPO-clip).
+
+# ---------------------------------------------------------------- the sampler-vs-trainer mismatch
+
+
+SEQUENCE_LOG_CAP = 20.0  # |sum_t log rho| cap of the sequence chi-square metric (exp(40) stays finite)
+
+
+def per_row(values: torch.Tensor, row: torch.Tensor, rows: int) -> torch.Tensor:
+    """(B,) sums of the (n,) values of each row."""
+    return torch.zeros(rows, dtype=values.dtype, device=values.device).index_add(0, row, values)
+
+
+def token_log_rho(trainer_old: torch.Tensor, sampled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log rho (n,), known (n,) bool): log pi_trainer - log pi_sampler, 0 where the sampler's is unknown."""
+    known = ~torch.isnan(sampled)
+    return torch.where(known, trainer_old.detach() - torch.where(known, sampled, 0.0), 0.0), known
+
+
+def _ess(m: dict):
+    return m["offpolicy_ratio_mean"] ** 2 / (m["offpolicy_chi2_token"] + 1)
+
+
+def _ppl_ratio(m: dict):
+    k1 = m["offpolicy_kl_k1"]
+    return torch.exp(k1) if isinstance(k1, torch.Tensor) else math.exp(k1)
+
+
+@torch.no_grad()
+def mismatch_metrics(trainer_old: torch.Tensor, sampled: torch.Tensor, row: torch.Tensor, rows: int) -> dict:
+    """KL(sampler || trainer) (k1, k3), chi-square (token, sequence), ESS and perplexity ratio, with reductions.
+
+    Means over the (n,) trained tokens (unknown sampler log-probs count as rho = 1) or the B rows;
+    `offpolicy_ess` and `offpolicy_ppl_ratio` are derived from the combined means (micro-batch invariant):
+
+        kl_k1 = mean(-log rho)              (E_sampler[log pi_sampler - log pi_trainer])
+        kl_k3 = mean(rho - 1 - log rho)     (>= 0, low variance)
+        chi2_token = mean(rho^2) - 1        chi2_seq = mean_rows(prod_t rho_t ^ 2) - 1
+        ess = mean(rho)^2 / mean(rho^2)     (normalized effective sample size, in (0, 1])
+        ppl_ratio = exp(kl_k1)              (PPL_trainer / PPL_sampler)
     """
-    ratio = torch.exp(log_ratio)
-    weight = torch.clamp(ratio, max=1 + clip.high).detach()
-    loss = -weight * adv * logp
-    return loss, {"clipped_low": torch.zeros_like(ratio, dtype=torch.bool), "clipped_high": ratio > 1 + clip.high}
-
-
-def truncated_is_weight(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, cap: float) -> torch.Tensor:
-    """TIS: min(pi_trainer / pi_sampler, cap), detached, (B, T); 1 where sampler_logp is NaN.
-
-    Corrects for the generator (e.g. vLLM) and the trainer computing slightly
-    different probabilities for the same policy; multiply the per-token loss by it.
-    """
-    if cap <= 0:
-        raise ValueError(f"tis_cap must be > 0, got {cap}")
-    known = ~torch.isnan(sampler_logp)
-    w = torch.exp(trainer_logp.detach() - torch.where(known, sampler_logp, trainer_logp.detach()))
-    return torch.where(known, w.clamp(max=cap), torch.ones_like(w))
-
-
-# ---------------------------------------------------------------- aggregation
-
-
-class Aggregator:
-    """One way to turn per-token losses (B, T) into a scalar; owns its weights and its normaliser.
-
-    `normalizer(mask)` is the FULL batch's denominator (pass it to every micro-batch: their
-    losses then add up to the full batch's); `weights(mask, normalizer)` (B, T) are the
-    per-token weights with `self(x, mask, normalizer) == (x * weights).sum()`, 0 off the mask.
-    A normalizer of None means this batch's own (`normalizer(mask)`).
-    """
-
-    name: str
-
-    def normalizer(self, mask: torch.Tensor, max_tokens: int | None = None) -> float:
-        raise NotImplementedError
-
-    def _weights(self, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | float]:
-        """(the weights before dividing by the normaliser (B, T), this batch's own normaliser)."""
-        raise NotImplementedError
-
-    def weights(self, mask: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:
-        m, own = self._weights(mask.to(torch.float32))
-        return m / max(float(own if normalizer is None else normalizer), 1.0)
-
-    def __call__(self, x: torch.Tensor, mask: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:
-        m, own = self._weights(mask.to(x.dtype))
-        return (x * m).sum() / max(float(own if normalizer is None else normalizer), 1.0)
-
-    def __repr__(self) -> str:
-        return f"Aggregator({self.name!r})"
-
-
-class TokenMean(Aggregator):
-    """sum over trained tokens / their count (DAPO, BNPO, CISPO, PPO). Normaliser: the trained tokens."""
-
-    name = "token_mean"
-
-    def normalizer(self, mask, max_tokens=None):
-        return float(mask.sum())
-
-    def _weights(self, m):
-        return m, m.sum()
-
-
-class SequenceMeanTokenMean(Aggregator):
-    """mean over rows of (mean over the row's trained tokens) (GRPO, GSPO). Normaliser: the rows."""
-
-    name = "sequence_mean_token_mean"
-
-    def normalizer(self, mask, max_tokens=None):
-        return float(mask.shape[0])
-
-    def _weights(self, m):
-        return m / m.sum(-1, keepdim=True).clamp(min=1), m.shape[0]
-
-
-class TokenSumConstant(Aggregator):
-    """sum over trained tokens / a constant (Dr. GRPO). Normaliser: rows x max_tokens (None: the longest row);
-    without a normaliser, B x T."""
-
-    name = "token_sum_constant"
-
-    def normalizer(self, mask, max_tokens=None):
-        per_row = max_tokens if max_tokens is not None else int(mask.sum(-1).max())
-        return float(mask.shape[0] * per_row)
-
-    def _weights(self, m):
-        return m, m.shape[0] * m.shape[1]
-
-
-AGGREGATORS: dict[str, Aggregator] = {a.name: a for a in (TokenMean(), SequenceMeanTokenMean(), TokenSumConstant())}
-token_mean = AGGREGATORS["token_mean"]  # token_mean(x, mask, normalizer): PPO's and the docs' spelling
-
-
-def aggregator(name: str) -> Aggregator:
-    """The `Aggregator` called `name`; ValueError naming the allowed ones."""
-    if name not in AGGREGATORS:
-        raise ValueError(f"unknown aggregate {name!r}; expected one of {sorted(AGGREGATORS)}")
-    return AGGREGATORS[name]
-
-
-def aggregation_weights(aggregate: str, mask: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:
-    """Per-token weights w (B, T) with AGGREGATORS[aggregate](x, mask, normalizer) == (x * w).sum()."""
-    return aggregator(aggregate).weights(mask, normalizer)
-
-
-def default_normalizer(aggregate: str, mask: torch.Tensor, max_tokens: int | None = None) -> float:
-    """The full batch's denominator for `aggregate` (pass it to every micro-batch)."""
-    return aggregator(aggregate).normalizer(mask, max_tokens)
-
-
-# ---------------------------------------------------------------- the GRPO family
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    """A GRPO-family variant: which per-token loss, which ratio, which aggregator."""
-
-    policy_loss: Callable
-    aggregate: str
-    ratio_level: str | None = None  # forces "token" / "sequence"; None: the trainer's option
-    default_eps_high: float | None = None  # used when eps_high is not given
-
-    @property
-    def aggregator(self) -> Aggregator:
-        return AGGREGATORS[self.aggregate]
-
-
-LOSS_TYPES: dict[str, LossSpec] = {
-    "grpo": LossSpec(clipped_surrogate, "sequence_mean_token_mean"),
-    "bnpo": LossSpec(clipped_surrogate, "token_mean"),
-    "dapo": LossSpec(clipped_surrogate, "token_mean", default_eps_high=0.28),
-    "dr_grpo": LossSpec(clipped_surrogate, "token_sum_constant"),
-    "gspo": LossSpec(clipped_surrogate, "sequence_mean_token_mean", ratio_level="sequence"),
-    "cispo": LossSpec(cispo_loss, "token_mean"),
-}
-
-RATIO_LEVELS = ("token", "sequence")
-
-
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-               clip_range: float | None) -> torch.Tensor:
-    """PPO's clipped value loss per token, (B, T): 0.5 max((v-R)^2, (v_old + clip(v-v_old) - R)^2)."""
-    unclipped = (values - returns) ** 2
-    if clip_range is None:
-        return 0.5 * unclipped
-    v_clip = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
-    return 0.5 * torch.maximum(unclipped, (v_clip - returns) ** 2)
+    log_rho, _ = token_log_rho(trainer_old.float(), sampled.float())
+    rho = torch.exp(log_rho)
+    seq = per_row(log_rho, row, rows).clamp(-SEQUENCE_LOG_CAP, SEQUENCE_LOG_CAP)  # (B,)
+    out = {"offpolicy_kl_k1": ((-log_rho).mean(), TOKEN_MEAN), "offpolicy_kl_k3": ((rho - 1 - log_rho).mean(), TOKEN_MEAN),
+           "offpolicy_ratio_mean": (rho.mean(), TOKEN_MEAN), "offpolicy_chi2_token": ((rho * rho - 1).mean(), TOKEN_MEAN),
+           "offpolicy_chi2_seq": ((torch.exp(2 * seq) - 1).mean(), SEQUENCE_MEAN)}
+    values = {k: v for k, (v, _) in out.items()}
+    out["offpolicy_ess"] = (_ess(values), Reduce("derived", derive=_ess))
+    out["offpolicy_ppl_ratio"] = (_ppl_ratio(values), Reduce("derived", derive=_ppl_ratio))
+    return out

@@ -1,26 +1,20 @@
-"""Where a distillation teacher's log-probs of the student's sampled tokens come from.
+"""Where a distillation teacher's log-probs of the student's sampled tokens come from; each source checked.
 
-Legend: B rollouts, T tokens; every tensor here is (B, T), aligned with the student's input_ids,
-holding the teacher's log p(input_ids[:, t] | input_ids[:, :t]) on the trained tokens, 0 elsewhere.
+Legend: B rollouts, T tokens; every tensor is (B, T), aligned with the student's input_ids, holding the
+teacher's log p(input_ids[:, t] | input_ids[:, :t]) on the trained tokens, 0 elsewhere. Sources:
 
-Three sources, one result:
+- an HF model: `hf_teacher_logprobs`, the chunked head the trainer uses, under `torch.no_grad`;
+- a vLLM engine: `vllm_teacher_logprobs`, one prefill per rollout with `prompt_logprobs=0` (from the
+  untempered logits: temperature 1 only). The engine only scores, so this module imports `vllm`
+  itself, never the library's generation package (the trainer never imports it: `tests/test_layout.py`);
+- precomputed: `rollout_teacher_logprobs` reads `rollout.metadata["teacher_logprobs"]` (one entry per
+  message: None, or that message's tokens' log-probs; plain JSON, it survives rollout files);
+  `attach_teacher_logprobs` writes it.
 
-- an HF model: `hf_teacher_logprobs`, through the chunked head the trainer uses
-  (`model.scoring.logprobs.token_logprobs`, under `torch.no_grad`; never (B, T, V));
-- a vLLM engine: `vllm_teacher_logprobs`, one prefill per rollout with `prompt_logprobs=0`
-  (as `model/generation/vllm.py` scores a grammar's tokens); vLLM computes them from the untempered logits,
-  so this source is temperature 1 only;
-- precomputed on the rollout: `rollout_teacher_logprobs` reads
-  `rollout.metadata["teacher_logprobs"]`, a list with one entry per message: None, or the
-  teacher's log-probs of that message's tokens (a sampled MODEL turn: one per `token_ids`).
-  `attach_teacher_logprobs` writes it from a (B, T) tensor. It is plain JSON, so it survives
-  rollout files (`chat.rollout_io`).
-
-A teacher with another tokenizer. The teacher scores the student's token ids, so its tokenizer
-must give the same ids the same meaning: `check_teacher_tokenizer` refuses (ValueError) unless
-the teacher's tokenizer encodes every rollout to exactly the student's ids and maps each of
-those ids to the same token string. Cross-tokenizer alignment (re-tokenizing and matching
-spans, as in ULD / GOLD) is not done here.
+Every source's values go through `check_teacher_values` (finite and <= 0, else a ValueError naming
+the rollout, message and position). A teacher must share the student's tokenizer: it scores the
+student's ids, so `check_teacher_tokenizer` refuses one that encodes the rollouts to other ids or
+maps them to other tokens (cross-tokenizer alignment, as ULD / GOLD, is not done here).
 """
 
 from __future__ import annotations
@@ -33,6 +27,20 @@ from SimpleTorchLLMRL.model.scoring.head import check_vocabulary
 from SimpleTorchLLMRL.model.scoring.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
 
 METADATA_KEY = "teacher_logprobs"
+VLLM_HINT = ("a vLLM teacher needs vllm: `pip install 'SimpleTorchLLMRL[vllm]'` (GPU) or the CPU build, "
+             "see docs/generation.md")
+
+
+def check_teacher_values(source: str, values: torch.Tensor, mask: torch.Tensor, message_index=None) -> None:
+    """ValueError naming the rollout, message and position of the first trained token whose teacher log-prob
+    is NaN, infinite or above 0 (a log-probability is <= 0). values, mask, message_index: (B, T)."""
+    bad = mask.bool() & ~(torch.isfinite(values) & (values <= 0))
+    if bool(bad.any()):
+        i, t = (int(v) for v in bad.nonzero()[0])
+        j = None if message_index is None else int(message_index[i, t])
+        msg = "" if j is None else f", message {j} (its token {int((message_index[i, :t] == j).sum())})"
+        raise ValueError(f"{source} teacher log-prob {float(values[i, t])} at rollout {i}{msg}, token position {t}: "
+                         f"a log-probability must be finite and <= 0 ({int(bad.sum())} such tokens)")
 
 
 def check_teacher_tokenizer(tokenizer, teacher_tokenizer, rollouts: list[Rollout], batch: Batch,
@@ -79,8 +87,9 @@ def hf_teacher_logprobs(teacher, batch: Batch, mask: torch.Tensor, *, temperatur
         check_vocabulary(teacher, tokenizer)
     device = next(teacher.parameters()).device
     lp = token_logprobs(teacher, batch.to(device), temperature, chunk_size, positions=mask.to(device),
-                        head_impl=head_impl)
-    return lp.float().to(mask.device)
+                        head_impl=head_impl).float().to(mask.device)
+    check_teacher_values("the HF", lp, mask, batch.message_index)
+    return lp
 
 
 def vllm_teacher_logprobs(llm, batch: Batch, mask: torch.Tensor, *, lora_request=None) -> torch.Tensor:
@@ -89,10 +98,11 @@ def vllm_teacher_logprobs(llm, batch: Batch, mask: torch.Tensor, *, lora_request
     One request per rollout: its ids as the prompt, `SamplingParams(max_tokens=1, prompt_logprobs=0)`;
     vLLM returns, for each prompt token after the first, a {id: Logprob} dict holding that id.
     """
-    from SimpleTorchLLMRL.model.generation.vllm_engine import import_vllm
-
-    vllm = import_vllm()
-    from vllm.inputs import TokensPrompt
+    try:
+        import vllm
+        from vllm.inputs import TokensPrompt
+    except ImportError as e:
+        raise ImportError(VLLM_HINT) from e
 
     lengths = batch.attention_mask.sum(-1).tolist()
     ids = batch.input_ids.cpu()
@@ -110,7 +120,8 @@ def vllm_teacher_logprobs(llm, batch: Batch, mask: torch.Tensor, *, lora_request
             tok = int(ids[i, t])
             if rows[t] is None or tok not in rows[t]:
                 raise RuntimeError(f"vLLM's prompt log-probs of rollout {i} lack token {tok} at position {t}")
-            out[i, t] = min(0.0, float(rows[t][tok].logprob))
+            out[i, t] = float(rows[t][tok].logprob)
+    check_teacher_values("the vLLM", out, m, batch.message_index)
     return out.to(mask.device)
 
 
@@ -144,6 +155,7 @@ def rollout_teacher_logprobs(rollouts: list[Rollout], batch: Batch, mask: torch.
                 raise ValueError(f"rollout {i}, message {j}: {len(values)} teacher log-probs for {len(tok)} "
                                  "sampled token_ids")
             out[i, where] = torch.tensor(values[: len(where)], dtype=torch.float32)
+    check_teacher_values("the precomputed", out, m, index)
     return torch.where(m, out, 0.0).to(mask.device)
 
 

@@ -1,57 +1,33 @@
-"""Per-token log-probs and entropy of the next token, computed in chunks.
+"""Per-token log-probs and entropy of the next token, from the model's final hidden states, in chunks.
 
-Legend: B batch, T tokens, H hidden size, V vocab, N selected positions, n chunk.
+Legend: B batch, T tokens, H hidden size, V vocab, N scored tokens, n chunk.
 
-Per-token tensors are (B, T) and ALIGNED WITH input_ids:
-`logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`; column 0 is 0 (nothing
-predicts the first token), so they line up with `loss_mask` and `sampler_logprobs`.
+`score(model, batch, compute)` is the trainer's one entry: the model runs once to its final hidden
+states (`head.final_hidden_states`, or `shared_prefix.shared_hidden_states` with `share_prefix`),
+then the output head scores the N tokens the batch names (`token_index`) in chunks; a full
+(B, T, V) float32 log-softmax is never built. `token_logprobs` gives the same as a (B, T)
+tensor aligned with input_ids (`logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`, column
+0 is 0), for a batch and a 0/1 mask of positions.
 
-A full (B, T, V) float32 log-softmax is never built. The model runs once to
-its final hidden states (`hidden.final_hidden_states`: `output_hidden_states=True,
-logits_to_keep=1`, so the model's own head only scores the last position), then the
-output embedding (`head`) scores chunks of `chunk_size` positions at a time:
+How a chunk is scored (`head_kernels`): a plain `nn.Linear` head runs in two passes around one
+autograd node (`_TwoPassHead`: per-token float32 log p, entropy and logsumexp without autograd,
+the caller's loss once on them, each chunk's logits recomputed in backward); a loss that is a sum
+of per-token terms of logp (`token_loss`) can have its gradient formed chunk by chunk in the
+forward instead (`_FusedTokenLoss`, `fused_token_loss`); any other head (peft-wrapped,
+quantized, soft-capped) runs each chunk under `torch.utils.checkpoint`. Three chunk kernels, one
+switch `head_impl`: "cpu" (row blocks sized for a CPU's allocator), "gpu" (whole-chunk ops, the
+head's GEMMs in its dtype with float32 accumulation and softmax statistics, chunks sized by
+bytes) and "triton" (the "gpu" GEMMs, two Triton kernels for the elementwise passes); "auto" picks
+"triton" on CUDA ("gpu" without Triton), else "cpu". All three run on a CPU ("triton" in Triton's
+interpreter), so CI tests each against float64. The entropy has a gradient.
 
-- plain `nn.Linear` head: two passes around one autograd node (`head_autograd._TwoPassHead`).
-  Pass 1 keeps only per-token float32 statistics (log p(y), entropy, logsumexp); the
-  caller's loss runs once on the (N,) log-probs and entropy with autograd; pass 2
-  (backward) recomputes one chunk of logits at a time into dL/dz from dL/dlogp and
-  dL/dentropy and the gradient GEMMs. No autograd graph per chunk. When the head's
-  weight is frozen (LoRA) the per-token Jacobian d logp / d h (N, H) is built
-  in pass 1, so a backward without an entropy gradient costs no extra matmul.
-- `fused_token_loss`: when the loss is a sum of per-token terms whose only
-  variable is logp (GRPO at token level), the gradient is known as soon as a
-  chunk is scored, so it is chained into the hidden-state / weight gradients
-  right away: three matmuls in all, like the naive path, one chunk in memory.
-- any other head (peft-wrapped, quantized, soft-capped logits): each chunk runs
-  under `torch.utils.checkpoint`, so backward keeps one chunk's logits at a time.
-
-Three kernels (`head_kernels`) score a chunk, chosen by one switch, `head_impl`:
-
-- "cpu": row blocks inside a chunk whose float32 scratch stays under glibc's mmap
-  threshold (fast on CPUs, where fresh large blocks are page-faulted on every use);
-- "gpu": whole-chunk ops, the head's matmuls in its own dtype (bf16 tensor cores)
-  with float32 accumulation and float32 softmax statistics, chunks sized by bytes
-  (`GPU_CHUNK_BYTES` of logits) rather than by a token count: a handful of
-  large kernels per chunk and no per-row Python loop on the device.
-
-- "triton": the "gpu" kernel's GEMMs with its elementwise passes replaced by two Triton
-  kernels (`head_triton`): one read of the logits for the softmax statistics, one that
-  writes their gradient in the head's dtype.
-
-"auto" (the default) takes "triton" for CUDA tensors ("gpu" when Triton is missing) and
-"cpu" otherwise. "gpu" runs on the CPU too, and "triton" does in Triton's interpreter
-(TRITON_INTERPRET=1), so the numerics of both are tested without a GPU.
-
-The entropy has a gradient (an entropy term in a loss trains through it).
-
-truncation (a `chat.truncation.Truncation`, per token): tokens that the sampler drew with top-k /
-top-p / min-p are scored under that same truncated, renormalized distribution, log p_trunc(y) =
-z_y / T - logsumexp over the kept set, on every kernel and path, with gradient (`truncation`;
-entropy is then the truncated distribution's too). None (the default): the full softmax.
+truncation (a `chat.truncation.Truncation`, per token): tokens drawn with top-k / top-p / min-p
+are scored under that same truncated, renormalized distribution on every kernel and path.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -59,11 +35,26 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from SimpleTorchLLMRL.model.scoring import head_triton
-from SimpleTorchLLMRL.model.scoring.head import head_logits, logit_softcap, output_head, supports_fused
-from SimpleTorchLLMRL.model.scoring.head_autograd import _FusedTokenLoss, _TwoPassHead
-from SimpleTorchLLMRL.model.scoring.head_kernels import _chunks, _DeviceChunks, _LinearChunks, _TritonChunks
-from SimpleTorchLLMRL.model.scoring.hidden import final_hidden_states
-from SimpleTorchLLMRL.model.scoring.shared_prefix import first_positions
+from SimpleTorchLLMRL.model.scoring.head import (
+    final_hidden_states,
+    head_logits,
+    logit_softcap,
+    output_head,
+    supports_fused,
+)
+from SimpleTorchLLMRL.model.scoring.head_kernels import (
+    _chunks,
+    _DeviceChunks,
+    _FusedTokenLoss,
+    _LinearChunks,
+    _TritonChunks,
+    _TwoPassHead,
+)
+from SimpleTorchLLMRL.model.scoring.shared_prefix import (
+    first_positions,
+    plan_shared_prefix,
+    shared_hidden_states,
+)
 from SimpleTorchLLMRL.model.scoring.truncation import apply_cut, keep_threshold
 
 DEFAULT_CHUNK_SIZE = None  # None: 512 tokens on the "cpu" kernel, GPU_CHUNK_BYTES of logits on "gpu" / "triton"
@@ -76,12 +67,33 @@ GPU_CHUNK_BYTES = 512 * 2**20
 HEAD_IMPLS = ("auto", "cpu", "gpu", "triton")
 
 
-class TokenLogProbs(NamedTuple):
-    """What `token_logprobs` returns when asked for more than the log-probs. All (B, T) but hidden."""
+@dataclass
+class ComputeOptions:
+    """How the numbers are computed, not what they are; keyword arguments of every trainer front."""
 
-    logprobs: torch.Tensor  # (B, T) float32
-    entropy: torch.Tensor | None  # (B, T) float32, detached
-    hidden_states: torch.Tensor | None  # (B, T, H) final hidden states (after the final norm)
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE
+    """Trained tokens scored per chunk of the output head; None: by kernel (512 tokens on "cpu",
+    GPU_CHUNK_BYTES of float32 logits on "gpu" / "triton")."""
+    head_impl: str = "auto"
+    """The chunk kernel: "auto" ("triton" on CUDA, "gpu" there without Triton, else "cpu"), "cpu",
+    "gpu" or "triton"."""
+    fused: bool | None = None
+    """A loss made of per-token terms (GRPO's, PPO's) forms its gradient chunk by chunk in the forward
+    when the head allows (True), or runs the two-pass head (False); None: fused on the "cpu" kernel,
+    two-pass on "gpu" / "triton". Same values either way."""
+    share_prefix: bool = False
+    """The rows that share their tokens before the first trained one (a group's prompt) run them once
+    (`model.scoring.shared_prefix`; checked against the plain forward once per model)."""
+    max_length: int | None = None
+    """Rollouts longer than this many tokens are an error, or are cut with `truncate` (`encode_rollout`)."""
+    truncate: bool = False
+    """Cut rollouts longer than `max_length` instead of refusing them."""
+
+    def __post_init__(self):
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError(f"chunk_size={self.chunk_size!r} is invalid; expected None or an int >= 1")
+        if self.head_impl not in HEAD_IMPLS:
+            raise ValueError(f"head_impl={self.head_impl!r} is invalid; expected one of {HEAD_IMPLS}")
 
 
 def resolve_head_impl(impl: str, device: torch.device) -> str:
@@ -196,66 +208,90 @@ def fused_token_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tenso
                                  truncation)
 
 
-def scatter_positions(values: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
-    """Put N per-position values back into a (B, T) tensor aligned with input_ids.
+class Scores(NamedTuple):
+    """What `score` returns."""
 
-    values (N,), select (B, T-1) bool (position t+1 predicted from t) -> (B, T), zeros elsewhere.
+    logprobs: torch.Tensor  # (N,) float32 log p of the scored tokens: with grad, detached when `loss` is set
+    entropy: torch.Tensor  # (N,) float32
+    hidden: torch.Tensor  # (B, T, H) the forward's final hidden states (a value head reads them)
+    loss: torch.Tensor | None  # the sum of `token_loss` formed chunk by chunk in the forward; None: not fused
+
+
+def hidden_states(model, batch, compute: ComputeOptions) -> torch.Tensor:
+    """(B, T, H) final hidden states of a right-padded batch; with `share_prefix`, shared prompts run once.
+
+    batch: `input_ids`, `attention_mask` and, with share_prefix, `prefix_plan` (found before the forward).
+    A packed layout (one row, per-sequence position ids) would be read here, and only here."""
+    if compute.share_prefix:
+        return shared_hidden_states(model, batch.input_ids, batch.attention_mask, plan=batch.prefix_plan,
+                                    right_padded=True)
+    return final_hidden_states(model, batch.input_ids, batch.attention_mask, right_padded=True)
+
+
+def score(model, batch, compute: ComputeOptions, *, temperature: float = 1.0, hidden: torch.Tensor | None = None,
+          token_loss=None) -> Scores:
+    """Log-probs and entropy of the N tokens that `batch` scores, from the model's final hidden states.
+
+    batch: `input_ids` (B, T), `attention_mask`, `token_index` (N,) long flat positions b * T + t whose
+    hidden state predicts a scored token (the token is at index + 1; found before the forward, so
+    nothing here waits for the device), `prefix_plan` (share_prefix) and `truncation` ((B, T) or None).
+    hidden: the forward's (B, T, H) when the caller ran it. token_loss(logp (n,), sl) -> (n,) or a
+    scalar: a loss whose terms depend on each token's logp alone; with `compute.fused` (None: the
+    "cpu" kernel) and a plain Linear head its gradient is formed chunk by chunk (`Scores.loss`).
     """
-    B = select.shape[0]
-    body = torch.zeros(select.shape, dtype=values.dtype, device=values.device).masked_scatter(select, values)
-    return torch.cat([body.new_zeros(B, 1), body], dim=1)
+    if hidden is None:
+        hidden = hidden_states(model, batch, compute)
+    B, T = batch.input_ids.shape
+    index = batch.token_index
+    h = hidden.reshape(B * T, -1).index_select(0, index)  # (N, H): position t predicts token t + 1
+    y = batch.input_ids.reshape(-1).index_select(0, index + 1)  # (N,)
+    trunc = None if batch.truncation is None else batch.truncation.at(index + 1)
+    head, softcap = output_head(model), logit_softcap(model)
+    opts = dict(temperature=temperature, chunk_size=compute.chunk_size, head_impl=compute.head_impl, truncation=trunc)
+    fused = compute.fused if compute.fused is not None else resolve_head_impl(compute.head_impl, h.device) == "cpu"
+    if token_loss is not None and fused and supports_fused(head, softcap):
+        loss, logp, entropy = fused_token_loss(h, head, y, token_loss, **opts)
+        return Scores(logp, entropy, hidden, loss)
+    logp, entropy = logprobs_from_hidden(h, head, y, softcap=softcap, **opts)
+    return Scores(logp, entropy, hidden, None)
 
 
-def logprobs_at(hidden: torch.Tensor, model, input_ids: torch.Tensor, positions: torch.Tensor, *,
-                temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE, upcast: bool = False,
-                fused: bool | None = None, head_impl: str = "auto",
-                index: torch.Tensor | None = None, truncation=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) log-probs and entropy of input_ids from hidden (B, T, H), only where `positions` (B, T) is set.
-
-    Column 0 and unset positions are 0. index: the (N,) long flat positions b * T + t that predict
-    the set positions (`trainer.batch.trained_index(positions)`), found before the forward: the
-    tokens are then gathered and scattered back without a host sync. truncation: the (B, T)
-    `Truncation` of input_ids (None: the full softmax).
-    """
-    head_opts = dict(temperature=temperature, chunk_size=chunk_size, softcap=logit_softcap(model), upcast=upcast,
-                     fused=fused, head_impl=head_impl)
-    if index is not None:
-        B, T = input_ids.shape
-        h = hidden.reshape(B * T, -1).index_select(0, index)  # (N, H)
-        y = input_ids.reshape(-1).index_select(0, index + 1)  # (N,)
-        trunc = None if truncation is None else truncation.at(index + 1)
-        lp, ent = logprobs_from_hidden(h, output_head(model), y, truncation=trunc, **head_opts)
-        return scatter_index(lp, index + 1, (B, T)), scatter_index(ent, index + 1, (B, T))
-    select = positions[:, 1:].bool()  # (B, T-1): token t+1 ...
-    h = hidden[:, :-1][select]  # (N, H) ... is predicted from position t
-    y = input_ids[:, 1:][select]  # (N,)
-    trunc = None if truncation is None else truncation.map(lambda t: t[:, 1:][select])
-    lp, ent = logprobs_from_hidden(h, output_head(model), y, truncation=trunc, **head_opts)
-    return scatter_positions(lp, select), scatter_positions(ent, select)
-
-
-def scatter_index(values: torch.Tensor, index: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """values (N,) put at the flat positions `index` (N,) of a (B, T) tensor of zeros (no host sync)."""
-    flat = torch.zeros(shape[0] * shape[1], dtype=values.dtype, device=values.device)
+def scatter_index(values: torch.Tensor, index: torch.Tensor, shape: tuple[int, int], fill: float = 0.0):
+    """values (N,) put at the flat positions `index` (N,) of a (B, T) tensor filled with `fill` (no host sync)."""
+    flat = torch.full((shape[0] * shape[1],), fill, dtype=values.dtype, device=values.device)
     return flat.index_put((index,), values).view(shape)
+
+
+class _Positions(NamedTuple):  # what `score` reads, for `token_logprobs`' batch and mask
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    token_index: torch.Tensor
+    prefix_plan: object
+    truncation: object
+
+
+class TokenLogProbs(NamedTuple):
+    """What `token_logprobs` returns when asked for more than the log-probs. All (B, T) but hidden."""
+
+    logprobs: torch.Tensor  # (B, T) float32
+    entropy: torch.Tensor | None  # (B, T) float32
+    hidden_states: torch.Tensor | None  # (B, T, H) final hidden states (after the final norm)
 
 
 def token_logprobs(model, batch, temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE,
                    return_entropy: bool = False, *, positions: torch.Tensor | None = None,
                    return_hidden: bool = False, upcast: bool = False, fused: bool | None = None,
                    share_prefix: bool = False, head_impl: str = "auto", truncation=None):
-    """Per-token log-probs of `batch.input_ids` under `model` at `temperature`, (B, T).
+    """Per-token log-probs of `batch.input_ids` under `model` at `temperature`, (B, T), 0 where not scored.
 
-    batch: a `Batch` (or anything with `input_ids` and `attention_mask`).
-    positions: (B, T) 0/1, which tokens to score (default: attention_mask;
-    pass `loss_mask` to skip prompts entirely). Unscored positions and column 0 are 0.
-    Returns the (B, T) tensor, or a `TokenLogProbs(logprobs, entropy, hidden_states)`
-    when `return_entropy` or `return_hidden` is set (the hidden states come from
-    the same forward, e.g. for a value head). share_prefix: rows with the same tokens
-    before their first scored position run those tokens once (`final_hidden_states`'s
-    `start`); hidden states before that position are then 0. head_impl: the chunk
-    kernel, "auto" | "cpu" | "gpu" | "triton" (module docstring). truncation: the (B, T) `Truncation` of
-    the tokens sampled with top-k / top-p / min-p (`Batch.truncation`), None: the full softmax.
+    batch: a `Batch` (or anything with `input_ids` and `attention_mask`). positions: (B, T) 0/1, the
+    tokens to score (default: attention_mask; pass `loss_mask` to skip prompts); column 0 is never
+    scored. Returns the (B, T) tensor, or `TokenLogProbs(logprobs, entropy, hidden_states)` with
+    `return_entropy` / `return_hidden`. share_prefix: rows with the same tokens before their first
+    scored position run them once (hidden states before it are then 0). upcast / fused: as
+    `logprobs_from_hidden`; head_impl: the chunk kernel; truncation: the (B, T) `Truncation` of
+    tokens drawn with top-k / top-p / min-p (`Batch.truncation`), None: the full softmax.
+    Finding the scored positions waits for the device once (the trainer finds them before the forward).
     """
     _check(temperature, chunk_size, head_impl)
     input_ids, attention_mask = batch.input_ids, batch.attention_mask
@@ -263,11 +299,24 @@ def token_logprobs(model, batch, temperature: float = 1.0, chunk_size: int | Non
         positions = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
     if positions.shape != input_ids.shape:
         raise ValueError(f"positions has shape {tuple(positions.shape)}, input_ids {tuple(input_ids.shape)}")
-    start = first_positions(positions) if share_prefix else None
-    hidden = final_hidden_states(model, input_ids, attention_mask, start=start)  # (B, T, H)
-    logp, ent = logprobs_at(hidden, model, input_ids, positions, temperature=temperature,
-                            chunk_size=chunk_size, upcast=upcast, fused=fused, head_impl=head_impl,
-                            truncation=truncation)
+    B, T = input_ids.shape
+    select = torch.zeros(positions.shape, dtype=torch.bool, device=positions.device)  # (B, T)
+    select[:, :-1] = positions[:, 1:].bool()  # position t predicts token t + 1
+    index = select.reshape(-1).nonzero().squeeze(1)  # (N,)
+    plan = None
+    if share_prefix and attention_mask is not None:
+        plan = plan_shared_prefix(input_ids, attention_mask, first_positions(positions))
+        hidden = shared_hidden_states(model, input_ids, attention_mask, plan=plan)
+    else:
+        hidden = final_hidden_states(model, input_ids, attention_mask)
+    h = hidden.reshape(B * T, -1).index_select(0, index)
+    y = input_ids.reshape(-1).index_select(0, index + 1)
+    trunc = None if truncation is None else truncation.at(index + 1)
+    lp, ent = logprobs_from_hidden(h, output_head(model), y, temperature=temperature, chunk_size=chunk_size,
+                                   softcap=logit_softcap(model), upcast=upcast, fused=fused, head_impl=head_impl,
+                                   truncation=trunc)
+    logp = scatter_index(lp, index + 1, (B, T))
     if not (return_entropy or return_hidden):
         return logp
-    return TokenLogProbs(logp, ent if return_entropy else None, hidden if return_hidden else None)
+    return TokenLogProbs(logp, scatter_index(ent, index + 1, (B, T)) if return_entropy else None,
+                         hidden if return_hidden else None)

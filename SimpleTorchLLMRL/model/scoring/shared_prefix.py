@@ -18,8 +18,10 @@ from the explicit position ids, so each row's hidden states and gradients equal 
 of the plain forward over its whole sequence (up to float summation order). The
 prefix's MLPs, projections and saved activations are paid U times instead of B.
 
-Used by `GRPO(share_prefix=True)` for its loss and no-grad log-prob passes, and in spirit
-by the HF generator, which prefills each distinct prompt once (`hf_backend`).
+Used by the fronts' `share_prefix=True` (`scoring.logprobs.score`) for their loss and no-grad
+log-prob passes, and in spirit by the HF generator, which prefills each distinct prompt once
+(`hf_backend`). `shared_hidden_states` is the forward with this option: the plain one
+(`head.final_hidden_states`) where nothing is shared.
 
 Which rows share which prefix is data (`plan_shared_prefix`, a `PrefixPlan`): finding it waits
 for the device, so the trainer finds it before the forward (`prepare`, `split`) and the
@@ -32,6 +34,14 @@ import weakref
 from typing import NamedTuple
 
 import torch
+
+from SimpleTorchLLMRL.model.scoring.head import (
+    causal_mask_4d,
+    final_hidden_states,
+    forward_last_logits,
+    last_hidden,
+    maybe_verify_head,
+)
 
 _VERIFIED: weakref.WeakSet = weakref.WeakSet()  # models whose shared forward was checked against the plain one
 
@@ -70,14 +80,6 @@ def prefix_groups(input_ids: torch.Tensor, start: torch.Tensor) -> tuple[torch.T
     if len(owner) == len(rows):
         return None
     return torch.tensor(group, device=input_ids.device), owner
-
-
-def forward_last_logits(model, **kwargs):
-    """model(**kwargs) with its head scoring only the last position (`logits_to_keep=1`) where it can."""
-    try:
-        return model(**kwargs, logits_to_keep=1)
-    except TypeError:  # a model without logits_to_keep: pays for its full logits
-        return model(**kwargs)
 
 
 class PrefixPlan(NamedTuple):
@@ -149,33 +151,6 @@ def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: 
     return torch.where(valid[..., None], picked, torch.zeros((), dtype=hs.dtype, device=device)), out
 
 
-def causal_mask_4d(model, key_valid: torch.Tensor) -> torch.Tensor | None:
-    """A (B, 1, T, T) causal mask over the keys `key_valid` (B, T) marks, as HF's attention takes it, or None.
-
-    HF reads a 2D mask for padding with a host sync in every forward; a 4D mask it uses as
-    given. Only for its "sdpa" (bool: True attends) and "eager" (additive float) attention on
-    full-attention models: None for the others (flash / flex attention read the 2D mask;
-    sliding-window layers need their own). Every query also attends to itself, so a padded
-    query row is never empty (no NaN in what nobody reads).
-    """
-    config = getattr(model, "config", None)
-    impl = getattr(config, "_attn_implementation", None)
-    layer_types = getattr(config, "layer_types", None)
-    sliding = (any(t != "full_attention" for t in layer_types) if layer_types
-               else getattr(config, "sliding_window", None) is not None
-               and getattr(config, "use_sliding_window", True) is not False)
-    if impl not in ("sdpa", "eager") or sliding:
-        return None
-    T = key_valid.shape[-1]
-    eye = torch.eye(T, dtype=torch.bool, device=key_valid.device)
-    allowed = (torch.ones_like(eye).tril_() & key_valid.bool()[:, None, None, :]) | eye  # (B, 1, T, T)
-    if impl == "sdpa":
-        return allowed
-    dtype = next(model.parameters()).dtype
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed,
-                                                                                       torch.finfo(dtype).min)
-
-
 def check_shared_prefix(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: torch.Tensor) -> None:
     """Once per model: the shared forward's hidden states from `start` on equal the plain forward's.
 
@@ -209,6 +184,24 @@ def check_shared_prefix(model, input_ids: torch.Tensor, attention_mask: torch.Te
     _VERIFIED.add(model)
 
 
-def last_hidden(out) -> torch.Tensor:
-    """The final hidden states (after the final norm) of a causal LM's output, (B, T, H)."""
-    return out.hidden_states[-1] if getattr(out, "hidden_states", None) is not None else out.last_hidden_state
+def shared_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                         start: torch.Tensor | None = None, verify: bool = True, *, plan: PrefixPlan | None = None,
+                         right_padded: bool = False) -> torch.Tensor:
+    """(B, T, H) final hidden states, rows that share their tokens before `start` (B,) running them once.
+
+    Only positions >= start are needed (they are exact; positions before are 0). Checked once
+    per model against the plain forward. plan: `plan_shared_prefix(input_ids, attention_mask,
+    start)` found before the forward (else found here, which waits for the device). Without a
+    shared prefix (or a cache): the plain forward, `head.final_hidden_states`.
+    """
+    if plan is None and start is not None and attention_mask is not None:
+        plan = plan_shared_prefix(input_ids, attention_mask, start)
+    if plan is not None and plan.group is not None:
+        if verify:
+            check_shared_prefix(model, input_ids, attention_mask, plan.start)
+        shared = shared_prefix_hidden_states(model, input_ids, attention_mask, plan.start, plan=plan)
+        if shared is not None:
+            hidden, out = shared
+            maybe_verify_head(model, out, verify)  # against the suffix forward's own last position
+            return hidden
+    return final_hidden_states(model, input_ids, attention_mask, verify, right_padded=right_padded)

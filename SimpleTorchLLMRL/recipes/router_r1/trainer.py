@@ -40,7 +40,7 @@ from SimpleTorchLLMRL.recipes.router_r1.generation import (
 from SimpleTorchLLMRL.recipes.router_r1.pool import RoutingPool
 from SimpleTorchLLMRL.recipes.router_r1.reward import RouterReward, RouterRewardOutput
 from SimpleTorchLLMRL.trainer.combine import combine_metrics
-from SimpleTorchLLMRL.trainer.losses import default_normalizer
+from SimpleTorchLLMRL.trainer.losses import normalizer
 from SimpleTorchLLMRL.utils.checkpoint import save_checkpoint, save_pretrained_atomic
 from SimpleTorchLLMRL.utils.metrics import MetricsLogger
 from SimpleTorchLLMRL.utils.training import clipped_step, seed_everything, warmup_constant
@@ -99,8 +99,8 @@ class RouterR1Trainer:
 
     # -- construction helpers
     def _algorithm(self):
-        from SimpleTorchLLMRL.trainer.GRPO import GRPO
-        from SimpleTorchLLMRL.trainer.PPO import PPO
+        from SimpleTorchLLMRL.trainer.grpo import GRPO
+        from SimpleTorchLLMRL.trainer.ppo import PPO
 
         t, g = self.config.trainer, self.config.generation
         ref = None
@@ -151,7 +151,7 @@ class RouterR1Trainer:
         if self.config.trainer.adv_estimator == "gae":
             return float(tb.mask.sum())
         cfg = self.algo.config
-        return default_normalizer(cfg.spec.aggregate, tb.mask, cfg.max_tokens)
+        return normalizer(cfg.spec.aggregate, tb.mask, cfg.max_tokens)
 
     def _update(self, rollouts, rewards: torch.Tensor) -> dict[str, float]:
         t = self.config.trainer
