@@ -159,14 +159,10 @@ def test_at_most_three_modules_at_the_package_root():
     assert len(loose) <= 3, loose
 
 
-UPPER_CASE_PENDING = {"trainer/GRPO.py", "trainer/PPO.py"}  # renamed by the trainer's change of this release
-
-
 def test_module_files_are_lower_case():
     """The seed's upper-case module names live on as seed paths (seed.py), not as files."""
     upper = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if p.stem != p.stem.lower()}
-    assert upper - UPPER_CASE_PENDING == set()
-    assert UPPER_CASE_PENDING - upper == set(), "renamed: remove it from UPPER_CASE_PENDING"
+    assert upper == set()
 
 
 def test_the_front_door_is_small():
