@@ -206,7 +206,6 @@ class CodeEnv(ToolUseEnv):
             return Verdict(0.0, 0, len(tests), _NO_CODE)
         if len(code) > self.sandbox.max_code_chars:
             return Verdict(0.0, 0, len(tests), f"the code is over {self.sandbox.max_code_chars} characters")
-        tests = tests.for_solution(code)
         results, problem = self._run(tests.job(code))
         try:
             judged = tests.judge(results)
