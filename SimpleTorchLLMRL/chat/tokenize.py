@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import unicodedata
 from dataclasses import dataclass
 
 import numpy as np
@@ -370,9 +371,56 @@ def _encode(rollouts: list[Rollout], tokenizer, for_prompt: bool) -> list[Encode
     return [_assemble(plan, tokenizer, encoded) for plan in plans]
 
 
+def _comparable(text: str) -> str:
+    """Text as two decodings of the same ids agree on: NFKC, case-folded, without whitespace (tokenizers
+    normalize, and clean up spaces around punctuation, in their own ways)."""
+    return "".join(unicodedata.normalize("NFKC", text).casefold().split())
+
+
+def _decode_turns(tokenizer, turns: list, many: bool) -> list[str]:
+    """Each turn's ids decoded without special tokens, in one call (a fast tokenizer's Rust side when it has
+    one); ValueError naming the first turn whose ids no tokenizer can decode (a negative id, a float)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decode = backend.decode_batch if backend is not None else tokenizer.batch_decode
+    try:
+        return decode([m.token_ids for _, _, m in turns], skip_special_tokens=True)
+    except (OverflowError, TypeError, ValueError) as e:
+        for r, i, m in turns:
+            try:
+                decode([m.token_ids], skip_special_tokens=True)
+            except (OverflowError, TypeError, ValueError):
+                where = f"rollout {r}, message {i}" if many else f"message {i}"
+                raise ValueError(f"{where}: its token_ids cannot be decoded ({e}): {m.token_ids!r:.120}") from e
+        raise
+
+
+def check_ids_decode(rollouts: list[Rollout], tokenizer) -> None:
+    """ValueError naming the first MODEL turn whose content is not text its `token_ids` hold.
+
+    The reward reads a turn's text and the gradient its ids: ids from another tokenizer (or of another
+    text) would train what no reward judged. A generator's content is its ids decoded without special
+    tokens and cut after a stop string (the last token may run past it); a parser may keep part of it (a
+    reasoning model's final answer, gpt-oss's final channel). So the content must be the decoded text
+    or a part of it, compared by `_comparable`: the reward never reads text the model did not write."""
+    turns = [(r, i, m) for r, rollout in enumerate(rollouts) for i, m in enumerate(rollout)
+             if m.type is MessageType.MODEL and m.token_ids]
+    if not turns:
+        return
+    decoded = _decode_turns(tokenizer, turns, len(rollouts) > 1)
+    for (r, i, m), text in zip(turns, decoded, strict=True):
+        if text == m.content or _comparable(m.content) in _comparable(text):
+            continue
+        where = f"rollout {r}, message {i}" if len(rollouts) > 1 else f"message {i}"
+        raise ValueError(f"{where}: its token_ids decode to {text!r:.120} but its content is {m.content!r:.120}: "
+                         "ids from another tokenizer (or of another text) train what the reward never read. Pass "
+                         "check_ids=False to encode_rollouts / rollouts_to_batch when they differ on purpose")
+
+
 def encode_rollouts(rollouts: list[Rollout], tokenizer, max_length: int | None = None,
-                    truncate: bool = False) -> list[EncodedRollout]:
+                    truncate: bool = False, *, check_ids: bool = True) -> list[EncodedRollout]:
     """Encode many rollouts with one batched tokenizer call (see `encode_rollout`)."""
+    if check_ids:
+        check_ids_decode(list(rollouts), tokenizer)
     out = _encode(list(rollouts), tokenizer, for_prompt=False)
     many = len(out) > 1
     return [_finish(e, r, max_length, truncate, i if many else None)
@@ -380,15 +428,17 @@ def encode_rollouts(rollouts: list[Rollout], tokenizer, max_length: int | None =
 
 
 def encode_rollout(rollout: Rollout, tokenizer, max_length: int | None = None,
-                   truncate: bool = False) -> EncodedRollout:
+                   truncate: bool = False, *, check_ids: bool = True) -> EncodedRollout:
     """Token ids, loss mask (1 = trained), sampled log-probs and message index of one rollout.
 
     Over `max_length` tokens raises ValueError unless `truncate=True` (then
     the tail is cut). A hand-written rollout's ids equal
     `apply_chat_template(rollout.to_chat(), tokenize=True)`; a sampled episode's
     ids are its prompts and sampled ids as the generator saw them (module docstring).
+    A MODEL turn whose token_ids do not decode to its content is a ValueError
+    (`check_ids_decode`) unless `check_ids=False`.
     """
-    return encode_rollouts([rollout], tokenizer, max_length, truncate)[0]
+    return encode_rollouts([rollout], tokenizer, max_length, truncate, check_ids=check_ids)[0]
 
 
 def encode_prompt(rollout: Rollout, tokenizer) -> list[int]:
@@ -464,10 +514,10 @@ def collate(encoded: list[EncodedRollout], pad_token_id: int, pad_to_multiple_of
 
 
 def rollouts_to_batch(rollouts: list[Rollout], tokenizer, max_length: int | None = None,
-                      truncate: bool = False) -> Batch:
+                      truncate: bool = False, *, check_ids: bool = True) -> Batch:
     """`encode_rollouts` then `collate` with the tokenizer's pad id (falls back to eos), with the
     `truncation` of the tokens sampled from a top-k / top-p / min-p distribution."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batch = collate(encode_rollouts(rollouts, tokenizer, max_length, truncate), pad)
+    batch = collate(encode_rollouts(rollouts, tokenizer, max_length, truncate, check_ids=check_ids), pad)
     batch.truncation = batch_truncation(rollouts, batch.message_index, batch.sampler_logprobs)
     return batch
