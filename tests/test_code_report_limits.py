@@ -115,6 +115,8 @@ def test_tuples_that_hash_alike_are_refused_though_their_items_do_not():
 def test_equal_values_are_not_collisions():
     same = [10**30] * 1000 + [(1, 2)] * 1000 + [frozenset({M61, 1})] * 1000
     assert decode(encode(same)) == same
+    mixed = [x for k in range(1000) for x in (k, float(k), Fraction(k), (k, 1), (float(k), 1.0))]  # equal pairs
+    assert decode(encode(mixed)) == mixed
     assert decode(encode(set(range(100_000)))) == set(range(100_000))
 
 

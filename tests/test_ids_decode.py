@@ -11,8 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from SimpleTorchLLMRL.chat.ids_text import check_ids_decode
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
-from SimpleTorchLLMRL.chat.tokenize import as_sampled, check_ids_decode, encode_rollout, rollouts_to_batch
+from SimpleTorchLLMRL.chat.tokenize import as_sampled, encode_rollout, rollouts_to_batch
 from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 

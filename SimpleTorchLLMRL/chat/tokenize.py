@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import unicodedata
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from SimpleTorchLLMRL.chat.ids_text import check_ids_decode
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.template import ChatTemplate, chat_template_for
 from SimpleTorchLLMRL.chat.truncation import Truncation, batch_truncation
@@ -369,51 +369,6 @@ def _encode(rollouts: list[Rollout], tokenizer, for_prompt: bool) -> list[Encode
     plans = [_plan(r, tokenizer, for_prompt) for r in rollouts]
     encoded = _encode_texts(tokenizer, [p.text for plan in plans for p in plan if isinstance(p, _Text)])
     return [_assemble(plan, tokenizer, encoded) for plan in plans]
-
-
-def _comparable(text: str) -> str:
-    """Text as two decodings of the same ids agree on: NFKC, case-folded, without whitespace (tokenizers
-    normalize, and clean up spaces around punctuation, in their own ways)."""
-    return "".join(unicodedata.normalize("NFKC", text).casefold().split())
-
-
-def _decode_turns(tokenizer, turns: list, many: bool) -> list[str]:
-    """Each turn's ids decoded without special tokens, in one call (a fast tokenizer's Rust side when it has
-    one); ValueError naming the first turn whose ids no tokenizer can decode (a negative id, a float)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decode = backend.decode_batch if backend is not None else tokenizer.batch_decode
-    try:
-        return decode([m.token_ids for _, _, m in turns], skip_special_tokens=True)
-    except (OverflowError, TypeError, ValueError) as e:
-        for r, i, m in turns:
-            try:
-                decode([m.token_ids], skip_special_tokens=True)
-            except (OverflowError, TypeError, ValueError):
-                where = f"rollout {r}, message {i}" if many else f"message {i}"
-                raise ValueError(f"{where}: its token_ids cannot be decoded ({e}): {m.token_ids!r:.120}") from e
-        raise
-
-
-def check_ids_decode(rollouts: list[Rollout], tokenizer) -> None:
-    """ValueError naming the first MODEL turn whose content is not text its `token_ids` hold.
-
-    The reward reads a turn's text and the gradient its ids: ids from another tokenizer (or of another
-    text) would train what no reward judged. A generator's content is its ids decoded without special
-    tokens and cut after a stop string (the last token may run past it); a parser may keep part of it (a
-    reasoning model's final answer, gpt-oss's final channel). So the content must be the decoded text
-    or a part of it, compared by `_comparable`: the reward never reads text the model did not write."""
-    turns = [(r, i, m) for r, rollout in enumerate(rollouts) for i, m in enumerate(rollout)
-             if m.type is MessageType.MODEL and m.token_ids]
-    if not turns:
-        return
-    decoded = _decode_turns(tokenizer, turns, len(rollouts) > 1)
-    for (r, i, m), text in zip(turns, decoded, strict=True):
-        if text == m.content or _comparable(m.content) in _comparable(text):
-            continue
-        where = f"rollout {r}, message {i}" if len(rollouts) > 1 else f"message {i}"
-        raise ValueError(f"{where}: its token_ids decode to {text!r:.120} but its content is {m.content!r:.120}: "
-                         "ids from another tokenizer (or of another text) train what the reward never read. Pass "
-                         "check_ids=False to encode_rollouts / rollouts_to_batch when they differ on purpose")
 
 
 def encode_rollouts(rollouts: list[Rollout], tokenizer, max_length: int | None = None,

@@ -145,7 +145,7 @@ class Budget:
         self._clock = time.monotonic
         self.deadline = None if seconds is None else self._clock() + seconds
         self.classes = 0
-        self._first = {}  # hash -> the fingerprint of the first value with it
+        self._first = {}  # hash -> (fingerprint, value) of the first value with it
         self._colliding = set()  # (hash, fingerprint) of each later distinct value with a hash seen before
 
     def check_time(self):
@@ -162,10 +162,19 @@ class Budget:
             h = hash(value)
         except TypeError:  # a tuple holding a list
             return
-        if self._first.setdefault(h, fingerprint) != fingerprint and (h, fingerprint) not in self._colliding:
+        first = self._first.setdefault(h, (fingerprint, value))
+        if first[0] != fingerprint and (h, fingerprint) not in self._colliding and not _equal(first[1], value):
             self._colliding.add((h, fingerprint))
             if len(self._colliding) > MAX_COLLIDING:
                 raise CodecError(f"more than {MAX_COLLIDING} distinct values hash alike")
+
+
+def _equal(a, b):
+    """a == b, False when comparing raises (1 and 1.0 hash alike, and are one value)."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _hexint(s, limit=MAX_HEX_DIGITS):
