@@ -187,3 +187,30 @@ def test_a_report_past_its_deadline_stops_there():
     assert took < 0.05 + SECONDS / 2  # one line past the deadline at most (each is checked as it is read)
     results, problem, _ = parse(data)
     assert problem is None and all(v == ("ok", [None] * (n // 8)) for v in results.values())
+
+
+SLOW_REPORT = '''
+def total(xs):
+    return None
+import os, sys
+_f = sys._getframe()
+while _f is not None and "nonce" not in _f.f_locals:
+    _f = _f.f_back
+_line = b'[0, "ok", "l", 200000' + b', "l", 0' * 200000 + b']\\n'  # 1.6 MB of legal, slow-to-build values
+os.write(4, _f.f_locals["nonce"] + b"\\n" + _line * 2)
+os._exit(0)
+'''
+
+
+def test_a_verdict_never_holds_the_caller_past_the_runs_timeout():
+    """The program forges a legal report as slow to read as it can make it: reading stops at the timeout."""
+    from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+    from SimpleTorchLLMRL.env.code import CodeEnv
+    from SimpleTorchLLMRL.env.tool_use import ToolEpisode
+    from SimpleTorchLLMRL.tools.sandbox import PythonSandbox
+
+    env = CodeEnv(PythonSandbox(timeout=1.0), workers=1)
+    rollout = Rollout([Message(f"```python\n{SLOW_REPORT}\n```", MessageType.MODEL)])
+    verdict, took = bounded(lambda: env.verdict(rollout, ToolEpisode(answer="assert total([1]) == 1")), 60)
+    assert verdict.reward == 0.0
+    assert took < 1.0 + 1.0 + 8.0  # the run, then at most its timeout of reading, and slack for a busy machine
