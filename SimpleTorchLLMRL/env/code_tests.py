@@ -19,10 +19,10 @@
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from SimpleTorchLLMRL.env.code_replay import Recording, RemoteCall, TestProgram, free_names, record, replay
+from SimpleTorchLLMRL.env.code_replay import Recording, RemoteCall, TestProgram, replay
 
 COMPARES = ("python", "apps", "json")
 
@@ -64,10 +64,6 @@ class CodeTests:
         """The tests run after the solution, inside (the opt-in for tests that do not split); None: no such mode."""
         return None
 
-    def for_solution(self, solution: str) -> CodeTests:
-        """These tests as they apply to `solution` (AssertTests: a solution may define a name a builtin has)."""
-        return self
-
 
 @dataclass(frozen=True, eq=False)
 class AssertTests(CodeTests):
@@ -88,23 +84,6 @@ class AssertTests(CodeTests):
         outcome = replay(self.program, self.recording, results)
         passed = list(outcome.passed[: len(self)]) + [False] * (len(self) - len(outcome.passed))
         return Judged(tuple(passed), outcome.reason, outcome.unsplit)
-
-    def for_solution(self, solution: str) -> AssertTests:
-        """When the solution defines a name the tests read that is also a builtin or a stdlib module (`def max`,
-        `def string`), calls of it are the solution's: the tests are recorded again with it remote."""
-        try:
-            defined = top_level_names(solution)
-        except (SyntaxError, ValueError):
-            return self
-        taken = set(self.program.remote) | top_level_names(self.program.prelude)
-        extra = tuple(n for n in free_names(self.program.tests, taken, shadowed=defined) if n not in taken)
-        if not extra:
-            return self
-        program = replace(self.program, remote=(*self.program.remote, *extra))
-        try:
-            return replace(self, program=program, recording=record(program))
-        except ValueError:
-            return self
 
     def inside_job(self, solution: str) -> dict:
         tree = _CountAsserts().visit(ast.parse(self.program.tests))

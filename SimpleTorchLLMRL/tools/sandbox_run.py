@@ -82,7 +82,8 @@ class Outcome:
 # ---- what the run sees of the file system (namespaces) --------------------------------------------------------
 
 def exposed_paths(python: str) -> list[str]:
-    """System directories, a few /etc files and the interpreter's installation(s), all bound read-only."""
+    """System directories, a few /etc files, the interpreter's installation(s) and, when the run uses the
+    caller's interpreter, every site directory on the caller's path (`site_dirs`), all bound read-only."""
     paths = [d for d in _SYSTEM_DIRS if os.path.lexists(d)]
     paths += [f"/etc/{name}" for name in _ETC_FILES if os.path.lexists(f"/etc/{name}")]
     prefixes = {os.path.dirname(os.path.dirname(os.path.realpath(python)))}
@@ -96,12 +97,26 @@ def exposed_paths(python: str) -> list[str]:
                     prefixes.add(os.path.dirname(os.path.realpath(value.strip())))
     if os.path.realpath(python) == os.path.realpath(sys.executable):
         prefixes |= {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
+        prefixes |= set(site_dirs())
     covered = [p for p in paths if not os.path.islink(p)]
     for prefix in sorted(prefixes, key=len):  # a prefix inside one already bound adds nothing
         if prefix not in ("/", "") and not any(prefix == c or prefix.startswith(c + "/") for c in covered):
             covered.append(prefix)
             paths.append(prefix)
     return paths
+
+
+def site_dirs() -> list[str]:
+    """The site directories on the caller's path: its venv's, the system's, and those a `.pth` file added
+    (`uv run --with X` runs an overlay venv whose `.pth` adds X's environment and the project's venv). Only
+    directories named site-packages or dist-packages: a path entry such as the project's own folder (an
+    editable install) or the script's may hold data the run must not read."""
+    found = []
+    for entry in sys.path:
+        path = os.path.abspath(entry) if entry else ""
+        if os.path.basename(path) in ("site-packages", "dist-packages") and os.path.isdir(path):
+            found.append(path)
+    return list(dict.fromkeys(found))
 
 
 # ---- start ---------------------------------------------------------------------------------------------------

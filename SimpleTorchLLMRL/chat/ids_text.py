@@ -1,0 +1,60 @@
+"""Do a rollout's sampled ids hold the text its rewards read?
+
+    check_ids_decode(rollouts, tokenizer)     # ValueError naming the first MODEL turn whose content is not
+                                              # text its token_ids decode to (encode_rollouts calls it)
+
+A reward reads a turn's content; the gradient reads its `token_ids`. Ids from another tokenizer, or of
+another text (content `\\boxed{5}`, ids of `\\boxed{4}`), would train what no reward judged.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+
+from SimpleTorchLLMRL.chat.message import MessageType, Rollout
+
+
+def _comparable(text: str) -> str:
+    """Text as two decodings of the same ids agree on: NFKC, case-folded, without whitespace (tokenizers
+    normalize, and clean up spaces around punctuation, in their own ways)."""
+    return "".join(unicodedata.normalize("NFKC", text).casefold().split())
+
+
+def _decode_turns(tokenizer, turns: list) -> list[str]:
+    """Each turn's ids decoded without special tokens, in one call (a fast tokenizer's Rust side when it has one)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decode = backend.decode_batch if backend is not None else tokenizer.batch_decode
+    return decode([m.token_ids for _, _, m in turns], skip_special_tokens=True)
+
+
+def _in_vocabulary(tokenizer):
+    """Does a list of ids hold only ids of `tokenizer`? (Others are the vocabulary check's to name.)"""
+    try:
+        size = len(tokenizer)
+    except TypeError:
+        return lambda ids: True
+    return lambda ids: min(ids) >= 0 and max(ids) < size
+
+
+def check_ids_decode(rollouts: list[Rollout], tokenizer) -> None:
+    """ValueError naming the first MODEL turn whose content is not text its `token_ids` hold.
+
+    The reward reads a turn's text and the gradient its ids: ids from another tokenizer (or of another
+    text) would train what no reward judged. A generator's content is its ids decoded without special
+    tokens and cut after a stop string (the last token may run past it); a parser may keep part of it (a
+    reasoning model's final answer, gpt-oss's final channel). So the content must be the decoded text
+    or a part of it, compared by `_comparable`: the reward never reads text the model did not write. A turn
+    holding an id outside the tokenizer's vocabulary is left to the trainer's vocabulary check."""
+    known = _in_vocabulary(tokenizer)
+    turns = [(r, i, m) for r, rollout in enumerate(rollouts) for i, m in enumerate(rollout)
+             if m.type is MessageType.MODEL and m.token_ids and known(m.token_ids)]
+    if not turns:
+        return
+    decoded = _decode_turns(tokenizer, turns)
+    for (r, i, m), text in zip(turns, decoded, strict=True):
+        if text == m.content or _comparable(m.content) in _comparable(text):
+            continue
+        where = f"rollout {r}, message {i}" if len(rollouts) > 1 else f"message {i}"
+        raise ValueError(f"{where}: its token_ids decode to {text!r:.120} but its content is {m.content!r:.120}: "
+                         "ids from another tokenizer (or of another text) train what the reward never read. Pass "
+                         "check_ids=False to encode_rollouts / rollouts_to_batch when they differ on purpose")
