@@ -17,7 +17,7 @@ import importlib
 _FRONT_DOOR = {
     "SimpleTorchLLMRL.chat.message": ["Message", "MessageType", "Rollout"],
     "SimpleTorchLLMRL.chat.tokenize": ["encode_rollout", "rollouts_to_batch"],
-    "SimpleTorchLLMRL.model.generate": ["ModelGenerate"],
+    "SimpleTorchLLMRL.model.generation.generator": ["ModelGenerate"],
     "SimpleTorchLLMRL.env.base": ["Env"],
     "SimpleTorchLLMRL.env.rollouts": ["collect_rollouts"],
     "SimpleTorchLLMRL.trainer.GRPO": ["GRPO"],

@@ -31,6 +31,8 @@ import time
 import warnings
 from pathlib import Path
 
+from SimpleTorchLLMRL.model.generation.generator import BackendConfig
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SIDES = ("default", "fast", "vllm", "loop")
@@ -80,13 +82,14 @@ def throughput(gen, batch: int, device: str, loop: bool = False) -> float:
 
 def agreement(model, tok, opts: dict, batch: int) -> dict:
     """`fast` against `default` under one seed: rows with identical ids, max |d log p| where both sampled."""
-    from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 
     out = {}
     for name, temperature in (("greedy", 0.0), ("sampled", 1.0)):
         got = {}
         for decode in ("default", "fast"):
-            gen = ModelGenerate(model, tok, **{**opts, "temperature": temperature}, decode=decode)
+            gen = ModelGenerate(model, tok, **{**opts, "temperature": temperature},
+                                backend=BackendConfig(decode=decode))
             got[decode] = [g[0] for g in gen.generate(rollouts(batch))]
         same = gap = 0.0
         first = []
@@ -119,7 +122,7 @@ def main() -> None:
 
     import torch
 
-    from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("generation.py: CUDA is not available, nothing measured (run it on a machine with a GPU, "
@@ -141,7 +144,7 @@ def main() -> None:
             rates = vllm_rates(model, tok, a, opts)
         else:
             decode = "default" if side == "loop" else side
-            gen = ModelGenerate(model, tok, **opts, decode=decode)
+            gen = ModelGenerate(model, tok, **opts, backend=BackendConfig(decode=decode))
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 rates = [throughput(gen, b, a.device, loop=side == "loop") for b in a.batches]
@@ -172,7 +175,7 @@ def what_ran(model, caught) -> dict:
 
 def vllm_rates(model, tok, a, opts: dict) -> list[float]:
     """The engine on the same weights (saved to a temporary directory), after freeing the HF model's GPU memory."""
-    from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
     from SimpleTorchLLMRL.model.generation.vllm_engine import make_llm
 
     with tempfile.TemporaryDirectory() as path:

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from SimpleTorchLLMRL import GRPO, BoxedReward, ModelGenerate
 from SimpleTorchLLMRL.gateway import Gateway
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import CALCULATOR_SCHEMA, SYSTEM_PROMPT, build_dataset
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 from SimpleTorchLLMRL.tools import CalculatorError, evaluate
@@ -68,8 +69,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(TINY_CALC)
     tokenizer = AutoTokenizer.from_pretrained(TINY_CALC, padding_side="left")
-    generator = ModelGenerate(model, tokenizer, max_new_tokens=40, temperature=1.0,
-                              tool_call_stop=["</tool_call>"], seed=0)
+    generator = ModelGenerate(model, tokenizer, seed=0,
+                              sampling=SamplingConfig(max_new_tokens=40, temperature=1.0,
+                                                      tool_call_stop=["</tool_call>"]))
     gateway = Gateway(generator, window=0.05)
     grpo = GRPO(model, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr)

@@ -11,7 +11,8 @@ The task is a two-step calculation split between two agents (a cooperative chain
 
 Each agent is rewarded for its own step: the planner for boxing a + b, the finisher for boxing
 x - c, where x is the number the planner boxed (0 when it boxed none). Both agents sample from
-one shared transcript, each with its own adapter (`ModelGenerate(..., adapter=)`); each is trained on the same transcript
+one shared transcript, each with its own adapter (`ModelGenerate(...,
+                                                                 adapter=)`); each is trained on the same transcript
 with only its own turns in the loss mask (`set_trainable_agents`), its own GRPO groups and
 advantages, its adapter active (`use_adapter`), and an optimizer over its adapter only. The KL
 term (--beta) is taken to the base model: the adapters switched off.
@@ -32,7 +33,6 @@ Legend: Q questions per step (--batch-size), G samples per question (--group-siz
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import random
 import time
@@ -49,6 +49,7 @@ from SimpleTorchLLMRL.model.adapters import (
     save_adapters,
     use_adapter,
 )
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.recipes.calculator import arithmetic as calc
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 
@@ -71,7 +72,9 @@ def boxed_int(message: Message | None) -> int | None:
 def agent_step(episodes: list[Rollout], agent: str, generator: ModelGenerate, max_turns: int = 2) -> None:
     """`agent` speaks in every episode (sampled with its own adapter); a calculator call is answered
     by a TOOL message and the agent speaks again, up to `max_turns` turns."""
-    respond = functools.partial(generator.responses, adapter=agent)
+    def respond(rollouts: list[Rollout]) -> list[Message]:
+        return [group[0] for group in generator.generate(rollouts, adapter=agent)]
+
     active = list(episodes)
     for turn in range(max_turns):
         if not active:
@@ -150,8 +153,9 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(TINY_CALC)
     base = AutoModelForCausalLM.from_pretrained(TINY_CALC, dtype=torch.float32)
     model = add_agent_adapters(base, AGENTS, r=args.rank, alpha=2 * args.rank)  # one adapter per agent
-    generator = ModelGenerate(model, tokenizer, max_new_tokens=args.max_new_tokens, temperature=1.0,
-                              tool_call_stop=["</tool_call>"], seed=args.seed)
+    generator = ModelGenerate(model, tokenizer, seed=args.seed,
+                              sampling=SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=1.0,
+                                                      tool_call_stop=["</tool_call>"]))
     trained = [a for a in AGENTS if a not in args.frozen]
     for agent in args.frozen:
         freeze_adapter(model, agent)  # a fixed policy: it plays, nothing trains it
@@ -161,8 +165,9 @@ def main(argv: list[str] | None = None) -> dict:
     held_out = problems(random.Random(args.seed + 1), args.eval_episodes, "test")
 
     def evaluate() -> dict[str, float]:
-        eval_gen = ModelGenerate(model, tokenizer, max_new_tokens=args.max_new_tokens, temperature=1.0,
-                                 tool_call_stop=["</tool_call>"], seed=12345)
+        eval_gen = ModelGenerate(model, tokenizer, seed=12345,
+                                 sampling=SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=1.0,
+                                                         tool_call_stop=["</tool_call>"]))
         return mean_rewards(play(episodes_for(held_out, 1), eval_gen))
 
     before = evaluate()

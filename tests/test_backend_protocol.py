@@ -14,7 +14,7 @@ from generation_helpers import peaked
 
 import SimpleTorchLLMRL
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
-from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 from SimpleTorchLLMRL.model.generation.hf_backend import HFBackend
 from SimpleTorchLLMRL.model.generation.sampling import Backend
 from SimpleTorchLLMRL.model.generation.vllm import VLLMBackend
@@ -47,7 +47,8 @@ def test_both_backends_define_every_member(monkeypatch, tmp_path, tok, policy):
     policy.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     vllm = install_fake_vllm(monkeypatch)
-    backends = [ModelGenerate(policy, tok).backend, ModelGenerate(vllm.LLM(str(tmp_path)), tok, temperature=1.0).backend]
+    backends = [ModelGenerate(policy,
+                              tok).backend, ModelGenerate(vllm.LLM(str(tmp_path)), tok, temperature=1.0).backend]
     assert [type(b) for b in backends] == [HFBackend, VLLMBackend]
     for backend in backends:
         missing = sorted(n for n in protocol_members() if not hasattr(backend, n))

@@ -58,7 +58,7 @@ def grpo_step(model, tokenizer, rollouts, rewards, *, beta: float, loss_type: st
 
 def generate(model, tokenizer, prompts):
     """Greedy replies: (token ids, log-probs) per prompt."""
-    from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 
     gen = ModelGenerate(model, tokenizer, max_new_tokens=6, do_sample=False)
     return [(m.token_ids, m.logprobs) for (m,) in gen.generate(prompts)]

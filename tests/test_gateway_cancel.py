@@ -15,7 +15,11 @@ from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.message import Rollout  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway, streaming  # noqa: E402
 from SimpleTorchLLMRL.model.generation.fast_decode import STREAM_EVERY  # noqa: E402
-from SimpleTorchLLMRL.model.generation.watch import DecodeWatch  # noqa: E402
+from SimpleTorchLLMRL.model.generation.generator import BackendConfig
+from SimpleTorchLLMRL.model.generation.sampling import (
+    DecodeWatch,  # noqa: E402
+    SamplingConfig,
+)
 from tests.gateway_helpers import load_calc, start  # noqa: E402
 from tests.test_gateway_streaming import NEVER, StepCounter, content_of, sse_chunks  # noqa: E402
 
@@ -39,7 +43,9 @@ def every(decode: str) -> int:
 @pytest.mark.parametrize("decode", DECODES)
 def test_a_cancelled_row_stops_and_the_others_sample_the_same_ids(calc, decode):
     model, tok = calc
-    gen = ModelGenerate(model, tok, max_new_tokens=40, temperature=1.0, decode=decode, eos_token_ids=[NEVER])
+    gen = ModelGenerate(model, tok,
+                        sampling=SamplingConfig(max_new_tokens=40, temperature=1.0, eos_token_ids=[NEVER]),
+                        backend=BackendConfig(decode=decode))
     rollouts = [Rollout.from_chat(start("What is 2 + 2?")), Rollout.from_chat(start())]
     plain = [m for group in gen.generate(rollouts, 2, seed=9) for m in group]
     seen: dict[int, int] = {}
@@ -60,7 +66,9 @@ def test_a_cancelled_row_stops_and_the_others_sample_the_same_ids(calc, decode):
 @pytest.mark.parametrize("decode", DECODES)
 def test_a_call_whose_rows_are_all_cancelled_stops_within_a_few_steps(calc, decode):
     model, tok = calc
-    gen = ModelGenerate(model, tok, max_new_tokens=LONG, temperature=1.0, decode=decode, eos_token_ids=[NEVER])
+    gen = ModelGenerate(model, tok,
+                        sampling=SamplingConfig(max_new_tokens=LONG, temperature=1.0, eos_token_ids=[NEVER]),
+                        backend=BackendConfig(decode=decode))
     steps = StepCounter(model)
     flag = {"at": None}
 
@@ -81,8 +89,10 @@ def test_a_call_whose_rows_are_all_cancelled_stops_within_a_few_steps(calc, deco
 
 def long_gateway(calc, decode: str, **kw) -> Gateway:
     model, tok = calc
-    return Gateway(ModelGenerate(model, tok, max_new_tokens=LONG, temperature=1.0, seed=0, decode=decode,
-                                 eos_token_ids=[NEVER]), **kw)
+    return Gateway(ModelGenerate(model, tok, seed=0,
+                                 sampling=SamplingConfig(max_new_tokens=LONG, temperature=1.0,
+                                                         eos_token_ids=[NEVER]),
+                                 backend=BackendConfig(decode=decode)), **kw)
 
 
 BODY = {"model": "policy", "messages": [{"role": "user", "content": "Count."}], "max_tokens": LONG, "seed": 4}

@@ -36,8 +36,9 @@ def env():
 @pytest.fixture(scope="module")
 def served(calc, env):
     model, tok = calc
-    gw = Gateway(ModelGenerate(model, tok, max_new_tokens=40, temperature=1.0, tool_call_stop=env.stop_strings,
-                               seed=0))
+    gw = Gateway(ModelGenerate(model, tok, seed=0,
+                               sampling=SamplingConfig(max_new_tokens=40, temperature=1.0,
+                                                       tool_call_stop=env.stop_strings)))
     with gw.serve() as url:
         yield gw, url
 

@@ -23,6 +23,7 @@ from SimpleTorchLLMRL.gateway.responses import (  # noqa: E402
     stream_events,
 )
 from SimpleTorchLLMRL.gateway.sessions import MAX_LINKS, SessionStore  # noqa: E402
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig  # noqa: E402
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import CALCULATOR_SCHEMA, SYSTEM_PROMPT  # noqa: E402
 from SimpleTorchLLMRL.tools.calculator import evaluate  # noqa: E402
 from tests.gateway_helpers import QUESTION, calc_env, load_calc  # noqa: E402
@@ -38,8 +39,9 @@ def calc():
 
 def make_gateway(calc, **kw) -> Gateway:
     model, tok = calc
-    generator = ModelGenerate(model, tok, max_new_tokens=40, temperature=0.0, tool_call_stop=calc_env().stop_strings,
-                              seed=0)
+    generator = ModelGenerate(model, tok, seed=0,
+                              sampling=SamplingConfig(max_new_tokens=40, temperature=0.0,
+                                                      tool_call_stop=calc_env().stop_strings))
     return Gateway(generator, **kw)
 
 

@@ -11,12 +11,12 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 
-from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.message import MessageType  # noqa: E402
 from SimpleTorchLLMRL.chat.rollout_io import load_rollouts  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC  # noqa: E402
 from tests.gateway_helpers import load_calc, start  # noqa: E402
+from tests.generation_helpers import make_generator as generator_of  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def calc():
 
 def make_generator(calc, **kw):
     model, tok = calc
-    return ModelGenerate(model, tok, **(dict(max_new_tokens=12, temperature=1.0, seed=0) | kw))
+    return generator_of(model, tok, **(dict(max_new_tokens=12, temperature=1.0, seed=0) | kw))
 
 
 def ask(client, messages, **kw):

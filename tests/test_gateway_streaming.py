@@ -16,8 +16,11 @@ from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
 from SimpleTorchLLMRL.gateway.openai_format import reply_view  # noqa: E402
 from SimpleTorchLLMRL.gateway.streaming import RowText, held_suffix, tool_openings  # noqa: E402
 from SimpleTorchLLMRL.model.generation.fast_decode import STREAM_EVERY  # noqa: E402
-from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig  # noqa: E402
-from SimpleTorchLLMRL.model.generation.watch import DecodeWatch  # noqa: E402
+from SimpleTorchLLMRL.model.generation.generator import BackendConfig
+from SimpleTorchLLMRL.model.generation.sampling import (
+    DecodeWatch,  # noqa: E402
+    SamplingConfig,  # noqa: E402
+)
 from SimpleTorchLLMRL.tools.parsers import JsonToolCallParser  # noqa: E402
 from tests.gateway_helpers import calc_env, load_calc, start  # noqa: E402
 
@@ -62,7 +65,9 @@ class StepCounter:
 @pytest.mark.parametrize("decode", DECODES)
 def test_the_watch_gets_each_rows_ids_while_it_samples_and_they_are_the_recorded_ones(calc, decode):
     model, tok = calc
-    gen = ModelGenerate(model, tok, max_new_tokens=24, temperature=1.0, decode=decode, eos_token_ids=[NEVER])
+    gen = ModelGenerate(model, tok,
+                        sampling=SamplingConfig(max_new_tokens=24, temperature=1.0, eos_token_ids=[NEVER]),
+                        backend=BackendConfig(decode=decode))
     rollouts = [Rollout.from_chat(start("What is 2 + 2?")), Rollout.from_chat(start())]
     seen: dict[int, list[int]] = {}
     deliveries: list[int] = []  # the forward count at each delivery
@@ -168,8 +173,10 @@ def test_reply_view_shows_each_call_as_to_openai_gives_it_with_json_arguments():
 def gateway(calc, env, decode: str, eos=None, **kw) -> Gateway:
     """eos: the EOS ids (e.g. [NEVER]: without them and without the tool-call stop, replies run to max_tokens)."""
     model, tok = calc
-    gen = ModelGenerate(model, tok, max_new_tokens=40, temperature=1.0, seed=0, decode=decode, eos_token_ids=eos,
-                        tool_call_stop=env.stop_strings if eos is None else None)
+    gen = ModelGenerate(model, tok, seed=0,
+                        sampling=SamplingConfig(max_new_tokens=40, temperature=1.0, eos_token_ids=eos,
+                                                tool_call_stop=env.stop_strings if eos is None else None),
+                        backend=BackendConfig(decode=decode))
     return Gateway(gen, **kw)
 
 
@@ -324,7 +331,9 @@ def test_a_stream_over_the_vllm_backend_comes_token_by_token(monkeypatch, tmp_pa
     tiny_model("qwen2", tok).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     llm = vllm.LLM(str(tmp_path), seed=0)
-    gw = Gateway(ModelGenerate(llm, tok, max_new_tokens=12, temperature=1.0, seed=0, eos_token_ids=[NEVER]))
+    gw = Gateway(ModelGenerate(llm, tok, seed=0,
+                               sampling=SamplingConfig(max_new_tokens=12, temperature=1.0,
+                                                       eos_token_ids=[NEVER])))
     with gw.serve() as url:
         steps = EngineSteps(llm, hold_at=6)
         try:

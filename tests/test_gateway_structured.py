@@ -21,6 +21,7 @@ from SimpleTorchLLMRL.chat.tokenize import encode_prompt  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
 from SimpleTorchLLMRL.gateway.fields import FieldError  # noqa: E402
 from SimpleTorchLLMRL.gateway.structured import reply_grammar  # noqa: E402
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig  # noqa: E402
 from SimpleTorchLLMRL.tools.parsers import TagToolCallParser, format_json_call  # noqa: E402
 from tests.gateway_helpers import calc_env, load_calc, start  # noqa: E402
 
@@ -50,8 +51,9 @@ def env():
 @pytest.fixture(scope="module")
 def served(calc, env):
     model, tok = calc
-    gw = Gateway(ModelGenerate(model, tok, max_new_tokens=60, temperature=1.0, tool_call_stop=env.stop_strings,
-                               seed=0))
+    gw = Gateway(ModelGenerate(model, tok, seed=0,
+                               sampling=SamplingConfig(max_new_tokens=60, temperature=1.0,
+                                                       tool_call_stop=env.stop_strings)))
     with gw.serve(host="127.0.0.1", port=0) as url:
         yield gw, url
 
@@ -168,7 +170,8 @@ def test_auto_without_parallel_calls_allows_text_then_at_most_one_call():
 
 def test_a_tool_format_that_cannot_be_forced_is_a_400_naming_tool_choice(calc, env):
     model, tok = calc
-    gw = Gateway(ModelGenerate(model, tok, max_new_tokens=8), tool_parsers=[TagToolCallParser(["calculator"])])
+    gw = Gateway(ModelGenerate(model, tok,
+                               max_new_tokens=8), tool_parsers=[TagToolCallParser(["calculator"])])
     with gw.serve() as url:
         for kw, field in [({"tool_choice": "required"}, "tool_choice"),
                           ({"parallel_tool_calls": False}, "parallel_tool_calls")]:

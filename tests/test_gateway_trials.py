@@ -22,6 +22,7 @@ from gateway_helpers import load_calc, start  # noqa: E402
 
 from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig  # noqa: E402
 
 EOS = 2  # <|im_end|> of the embedded model
 NO_TOOL_CALL = {"30": -100}  # "<": greedy then answers \boxed{...} instead of opening a tool call
@@ -31,7 +32,9 @@ NO_TOOL_CALL = {"30": -100}  # "<": greedy then answers \boxed{...} instead of o
 def served():
     """One gateway over the embedded calculator model for the module: (gateway, url)."""
     model, tok = load_calc()
-    gen = ModelGenerate(model, tok, max_new_tokens=40, temperature=1.0, tool_call_stop=["</tool_call>"], seed=0)
+    gen = ModelGenerate(model, tok, seed=0,
+                        sampling=SamplingConfig(max_new_tokens=40, temperature=1.0,
+                                                tool_call_stop=["</tool_call>"]))
     gw = Gateway(gen)
     with gw.serve(host="127.0.0.1", port=0) as url:
         yield gw, url
@@ -135,7 +138,8 @@ def test_a_left_out_max_tokens_shrinks_to_the_context_the_prompt_leaves():
 
     model, tok = load_calc()
     ctx = model.config.max_position_embeddings
-    gen = ModelGenerate(model, tok, max_new_tokens=512, temperature=1.0, seed=0, eos_token_ids=[10**6])
+    gen = ModelGenerate(model, tok, seed=0,
+                        sampling=SamplingConfig(max_new_tokens=512, temperature=1.0, eos_token_ids=[10**6]))
     question = "Add the numbers: " + " + ".join(str(i % 10) for i in range(300))
     messages = [{"role": "user", "content": question}]
     prompt_len = len(encode_prompt(Rollout.from_chat(messages), tok))

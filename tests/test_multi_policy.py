@@ -33,7 +33,7 @@ from SimpleTorchLLMRL.model.adapters import (
     save_adapters,
     use_adapter,
 )
-from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 from SimpleTorchLLMRL.testing.tiny import tiny_model
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
 
@@ -134,13 +134,13 @@ def test_a_mixed_batch_runs_one_batch_per_adapter(tok):
     model = two_agents(tok)
     kw = dict(max_new_tokens=10, temperature=1.0, seed=3)
     rs = prompts()
-    mixed = ModelGenerate(model, tok, **kw).generate(rs, adapter=["A", "B", "A"])
-    gen = ModelGenerate(model, tok, **kw)  # same seed stream: A's batch first (first appearance), then B's
-    a = gen.generate([rs[0], rs[2]], adapter="A")
-    b = gen.generate([rs[1]], adapter="B")
+    mixed = ModelGenerate(model, tok, **kw).generate(rs, adapter=["A", "B", "A"], seed=[1, 2, 3])
+    gen = ModelGenerate(model, tok, **kw)  # each prompt's own seed: the same samples in any batch
+    a = gen.generate([rs[0], rs[2]], adapter="A", seed=[1, 3])
+    b = gen.generate([rs[1]], adapter="B", seed=2)
     assert ids_of(mixed) == ids_of([a[0], b[0], a[1]])
     assert [g[0].adapter for g in mixed] == ["A", "B", "A"]
-    with pytest.raises(ValueError, match="one per rollout"):
+    with pytest.raises(ValueError, match="one per prompt"):
         gen.generate(rs, adapter=["A", "B"])
     with pytest.raises(ValueError, match="no adapter 'C'"):
         gen.generate(rs, adapter="C")

@@ -12,10 +12,9 @@ from engine_helpers import hf_logprobs, tiny_calc_engine, tiny_calc_hf
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
-from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.model.generation.constrain import json_schema_grammar
-from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
-from SimpleTorchLLMRL.model.generation.watch import DecodeWatch
+from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
+from SimpleTorchLLMRL.model.generation.sampling import DecodeWatch, SamplingConfig
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 
 pytestmark = [

@@ -19,7 +19,7 @@ from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
 from SimpleTorchLLMRL.env.tool_use import ToolUseEnv
-from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 from SimpleTorchLLMRL.tools.calculator import calculator
@@ -75,7 +75,9 @@ def test_greedy_ids_equal_hf_greedy_and_lengths_and_stops(llm, hf):
     text = engine[0][0].content
     stop = text[len(text) // 2: len(text) // 2 + 2] if len(text) > 4 else None
     if stop and stop.strip():
-        cut = ModelGenerate(llm, tok, max_new_tokens=20, do_sample=False, stop=[stop]).generate(rollouts[:1])[0][0]
+        cut = ModelGenerate(llm, tok,
+                            sampling=SamplingConfig(max_new_tokens=20, do_sample=False,
+                                                    stop=[stop])).generate(rollouts[:1])[0][0]
         assert cut.content.endswith(stop) and cut.finish_reason == "stop"
 
 
@@ -109,7 +111,9 @@ def test_logit_bias_and_penalties_match_the_hf_picker_and_keep_raw_logprobs(llm,
 def test_multi_turn_episodes_keep_as_sampled_prompts(llm, hf):
     _, tok = hf
     env = ToolUseEnv([calculator], custom_sys_prompt=SYSTEM_PROMPT, max_turns=2)
-    gen = ModelGenerate(llm, tok, max_new_tokens=40, temperature=1.0, tool_call_stop=env.stop_strings, seed=1)
+    gen = ModelGenerate(llm, tok, seed=1,
+                        sampling=SamplingConfig(max_new_tokens=40, temperature=1.0,
+                                                tool_call_stop=env.stop_strings))
     episodes = collect_rollouts(gen, env, ["What is 645 * 49?", "What is 312 + 85?"], ["31605", "397"],
                                 group_size=2)
     turns = 0

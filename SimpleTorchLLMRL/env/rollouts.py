@@ -72,8 +72,9 @@ def collect_rollouts(generator, env, questions: Sequence[Any], answers: Sequence
     """Run one episode per (question, group member) and return the R = Q * G rollouts, group-major.
 
     generator: anything with `batch_rollout_generate_response(rollouts)` (appends one MODEL message
-    each), e.g. `ModelGenerate`; if it also has `fits(rollout)`, episodes whose next prompt would
-    overflow the model's context end with done_reason "context" instead of raising.
+    each), e.g. `ModelGenerate`; if it also has `prompt_ids(rollouts)` and `fits(prompt_ids)`, episodes
+    whose next prompt would overflow the model's context end with done_reason "context" instead of
+    raising, and the prompts go on encoded (`batch_rollout_generate_response(..., prompt_ids=...)`).
     env: an `Env` (`setup(question, answer) -> (messages, state)`, `step(rollout, state) -> (messages,
     done)`); `setup` and `step` run concurrently in threads, so they must not share unguarded
     mutable state. A `step` that raises ends that episode with a TOOL message saying what failed;
@@ -99,14 +100,16 @@ def collect_rollouts(generator, env, questions: Sequence[Any], answers: Sequence
         rollouts = list(pool.map(lambda job: _setup(env, *job, tools), jobs))
         active = list(range(len(rollouts)))
         for turn in range(max_turns):
+            prompts = None
             if turn > 0 and hasattr(generator, "fits"):
-                overflow = {i for i in active if not generator.fits(rollouts[i])}
-                for i in overflow:
+                encoded = dict(zip(active, generator.prompt_ids([rollouts[i] for i in active]), strict=True))
+                for i in [i for i in active if not generator.fits(encoded[i])]:
                     _finish(rollouts[i], "context")
-                active = [i for i in active if i not in overflow]
+                active = [i for i in active if generator.fits(encoded[i])]
+                prompts = {"prompt_ids": [encoded[i] for i in active]}
             if not active:
                 break
-            generator.batch_rollout_generate_response([rollouts[i] for i in active])
+            generator.batch_rollout_generate_response([rollouts[i] for i in active], **(prompts or {}))
             for i in active:
                 rollouts[i].metadata["turns"] += 1
             results = list(pool.map(lambda i: _step(env, rollouts[i]), active))

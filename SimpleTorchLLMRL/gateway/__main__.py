@@ -13,6 +13,8 @@ import argparse
 import signal
 import threading
 
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
+
 
 def _non_negative(text: str) -> float:
     value = float(text)
@@ -69,18 +71,23 @@ def main(argv=None) -> None:
     a = parse_args(argv)
 
     from SimpleTorchLLMRL.gateway import Gateway
-    from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 
     if a.backend == "vllm":
-        generator = ModelGenerate(a.model, None, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-                                  tool_call_stop=a.tool_call_stop or None, backend="vllm")
+        generator = ModelGenerate(a.model, None,
+                                  sampling=SamplingConfig(max_new_tokens=a.max_new_tokens,
+                                                          temperature=a.temperature,
+                                                          tool_call_stop=a.tool_call_stop or None),
+                                  backend="vllm")
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(a.model, padding_side="left")
         model = AutoModelForCausalLM.from_pretrained(a.model).eval()
-        generator = ModelGenerate(model, tokenizer, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-                                  tool_call_stop=a.tool_call_stop or None)
+        generator = ModelGenerate(model, tokenizer,
+                                  sampling=SamplingConfig(max_new_tokens=a.max_new_tokens,
+                                                          temperature=a.temperature,
+                                                          tool_call_stop=a.tool_call_stop or None))
     gateway = Gateway(generator, model_name=a.served_model_name, record_to=a.record_to,
                       max_body_bytes=a.max_body_bytes, window=a.window, max_batch=a.max_batch,
                       session_ttl=a.session_ttl or None, max_sessions=a.max_sessions or None)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from SimpleTorchLLMRL.chat.message import Message, Rollout
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
-from SimpleTorchLLMRL.model.generation.watch import DecodeWatch
+from SimpleTorchLLMRL.model.generation.sampling import DecodeWatch
 
 
 @dataclass
@@ -155,12 +155,10 @@ class Batcher:
         """One generate call for jobs of the same key: rollouts (with their encoded prompts when given), or ids."""
         first = jobs[0]
         watch = _watch(jobs, first.n)
-        kw = {"sampling": first.sampling, "seed": first.seed, **({"watch": watch} if watch is not None else {})}
-        if first.rollout is None:
-            return self.generator.generate_from_ids([j.prompt_ids for j in jobs], first.n, **kw)
-        encoded = all(j.prompt_ids is not None for j in jobs)
-        return self.generator.generate([j.rollout for j in jobs], first.n,
-                                       prompt_ids=[j.prompt_ids for j in jobs] if encoded else None, **kw)
+        kw = {"sampling": first.sampling, "seed": [j.seed for j in jobs], **({"watch": watch} if watch else {})}
+        if all(j.prompt_ids is not None for j in jobs):
+            return self.generator.generate([j.prompt_ids for j in jobs], first.n, **kw)
+        return self.generator.generate([j.rollout for j in jobs], first.n, **kw)
 
 
 def _watch(jobs: list[Job], n: int) -> DecodeWatch | None:

@@ -16,7 +16,8 @@ import torch
 
 from SimpleTorchLLMRL.chat.message import MessageType, Rollout
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
-from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import used_tool
 
 
@@ -48,16 +49,19 @@ def evaluate(model, tokenizer, env, reward_fn, rows: Sequence[dict], *, k: int, 
     """
     questions = [r["question"] for r in rows]
     answers = [r["answer"] for r in rows]
-    greedy = ModelGenerate(engine if engine is not None else model, tokenizer, max_new_tokens=max_new_tokens,
-                           do_sample=False, tool_call_stop=env.stop_strings, seed=seed)
+    greedy = ModelGenerate(engine if engine is not None else model, tokenizer, seed=seed,
+                           sampling=SamplingConfig(max_new_tokens=max_new_tokens, do_sample=False,
+                                                   tool_call_stop=env.stop_strings))
     rollouts = collect_rollouts(greedy, env, questions, answers, group_size=1, max_turns=max_turns)
     rewards = reward_fn(rollouts, answers)  # (P,)
     report = {f"greedy_{key}": v for key, v in episode_stats(rollouts, rewards).items()}
     report["accuracy"] = report.pop("greedy_accuracy")
     if k_problems > 0:
         sub_q, sub_a = questions[:k_problems], answers[:k_problems]
-        sampler = ModelGenerate(engine if engine is not None else model, tokenizer, max_new_tokens=max_new_tokens,
-                                temperature=temperature, tool_call_stop=env.stop_strings, seed=seed)
+        sampler = ModelGenerate(engine if engine is not None else model, tokenizer, seed=seed,
+                                sampling=SamplingConfig(max_new_tokens=max_new_tokens,
+                                                        temperature=temperature,
+                                                        tool_call_stop=env.stop_strings))
         sampled = collect_rollouts(sampler, env, sub_q, sub_a, group_size=k, max_turns=max_turns)
         correct = (reward_fn(sampled, [a for a in sub_a for _ in range(k)]) >= 1.0).view(len(sub_q), k)  # (P, k)
         report[f"pass@{k}"] = sum(pass_at_k(k, int(c), k) for c in correct.sum(1)) / len(sub_q)

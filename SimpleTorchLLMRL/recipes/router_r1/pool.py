@@ -118,7 +118,7 @@ class LocalGenerator:
         return self._generator is not None
 
     def _load(self):
-        from SimpleTorchLLMRL.model.generate import ModelGenerate
+        from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 
         if self._model is None:
             import torch
