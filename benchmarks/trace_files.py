@@ -19,8 +19,6 @@ import sys
 import threading
 from pathlib import Path
 
-from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
-
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = str(ROOT / "SimpleTorchLLMRL") + "/"
 
@@ -93,9 +91,8 @@ def scenario_grpo():
     model, tok = _calc()
     rows = build_dataset(2, seed=0)
     env = ToolUseEnv([calculator], custom_sys_prompt=SYSTEM_PROMPT, max_turns=2)
-    gen = ModelGenerate(model, tok, seed=0,
-                        sampling=SamplingConfig(max_new_tokens=24, temperature=1.0,
-                                                tool_call_stop=env.stop_strings))
+    gen = ModelGenerate(model, tok, max_new_tokens=24, temperature=1.0, tool_call_stop=env.stop_strings,
+                        seed=0)
     rollouts = collect_rollouts(gen, env, [r["question"] for r in rows], [r["answer"] for r in rows], group_size=4)
     rewards = BoxedReward()(rollouts, [r.metadata["answer"] for r in rollouts])
     rewards = rewards + torch.arange(len(rollouts)) * 0.01  # never a constant group

@@ -30,7 +30,6 @@ import torch
 from SimpleTorchLLMRL import GRPO, ModelGenerate, collect_rollouts
 from SimpleTorchLLMRL.env import ToolUseEnv, tool_stats
 from SimpleTorchLLMRL.model.dropout import disable_dropout
-from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.reward import FunctionReward, extract_boxed
 from SimpleTorchLLMRL.testing.tiny import (
     load_model_or_tiny as load_model,  # a dir / hub id, "random", or the embedded model
@@ -98,10 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer, described = load_model(args.model, args.seed)
     print(f"model: {described} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters)")
     env = ToolUseEnv([calculator], max_turns=args.max_turns)
-    generator = ModelGenerate(model, tokenizer, seed=args.seed,
-                              sampling=SamplingConfig(max_new_tokens=args.max_new_tokens,
-                                                      temperature=args.temperature,
-                                                      tool_call_stop=env.stop_strings))
+    generator = ModelGenerate(model, tokenizer, max_new_tokens=args.max_new_tokens,
+                              temperature=args.temperature, tool_call_stop=env.stop_strings, seed=args.seed)
     reward_fn = FunctionReward(countdown_score, name="countdown")
     disable_dropout(model)  # exact on-policy ratios
     grpo = GRPO(model, tokenizer, eps=0.2, beta=0.0, temperature=args.temperature)

@@ -29,7 +29,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from SimpleTorchLLMRL import BoxedReward, ModelGenerate, collect_rollouts
 from SimpleTorchLLMRL.env import ToolUseEnv
 from SimpleTorchLLMRL.model.dropout import disable_dropout
-from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 from SimpleTorchLLMRL.recipes.calculator.data import batch_at, load_data
 from SimpleTorchLLMRL.recipes.calculator.evaluate import evaluate
@@ -131,9 +130,8 @@ def main(argv=None) -> dict:
     for step in range(1, args.distill_steps + 1):
         batch = batch_at(train_rows, (step - 1) * args.batch_size, args.batch_size, args.seed + 1)
         student.eval()
-        gen = ModelGenerate(student, tokenizer, seed=args.seed * 1000 + step,
-                            sampling=SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=1.0,
-                                                    tool_call_stop=env.stop_strings))
+        gen = ModelGenerate(student, tokenizer, max_new_tokens=args.max_new_tokens, temperature=1.0,
+                            tool_call_stop=env.stop_strings, seed=args.seed * 1000 + step)
         rollouts = collect_rollouts(gen, env, [r["question"] for r in batch], [r["answer"] for r in batch],
                                     group_size=args.group_size)
         student.train()

@@ -23,7 +23,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from SimpleTorchLLMRL import GRPO, BoxedReward, ModelGenerate
 from SimpleTorchLLMRL.gateway import Gateway
-from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import CALCULATOR_SCHEMA, SYSTEM_PROMPT, build_dataset
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 from SimpleTorchLLMRL.tools import CalculatorError, evaluate
@@ -69,9 +68,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(TINY_CALC)
     tokenizer = AutoTokenizer.from_pretrained(TINY_CALC, padding_side="left")
-    generator = ModelGenerate(model, tokenizer, seed=0,
-                              sampling=SamplingConfig(max_new_tokens=40, temperature=1.0,
-                                                      tool_call_stop=["</tool_call>"]))
+    generator = ModelGenerate(model, tokenizer, max_new_tokens=40, temperature=1.0,
+                              tool_call_stop=["</tool_call>"], seed=0)
     gateway = Gateway(generator, window=0.05)
     grpo = GRPO(model, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr)
@@ -102,7 +100,7 @@ def main() -> None:
             generator.policy_version += 1  # the next episodes come from the updated weights
             turns = sum(m.token_ids is not None for r in rollouts for m in r) / len(rollouts)
             print(f"step {step}: reward {rewards.mean():.3f} over {len(rollouts)} rollouts, "
-                  f"{turns:.2f} sampled turns each, batches {gateway.batcher.batches[-4:]}", flush=True)
+                  f"{turns:.2f} sampled turns each, batches {list(gateway.batcher.batches)[-4:]}", flush=True)
             gateway.batcher.batches.clear()
             history.append(float(rewards.mean()))
     k = max(1, min(4, len(history) // 2))

@@ -18,7 +18,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from SimpleTorchLLMRL import ModelGenerate, encode_rollout
 from SimpleTorchLLMRL.gateway import Gateway
-from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 from SimpleTorchLLMRL.tools import CalculatorError, evaluate
@@ -50,9 +49,8 @@ def main() -> list:
     set_tracing_disabled(True)  # nothing leaves this machine
     model = AutoModelForCausalLM.from_pretrained(TINY_CALC).eval()
     tokenizer = AutoTokenizer.from_pretrained(TINY_CALC, padding_side="left")
-    generator = ModelGenerate(model, tokenizer, seed=0,
-                              sampling=SamplingConfig(max_new_tokens=40, temperature=1.0,
-                                                      tool_call_stop=["</tool_call>"]))
+    generator = ModelGenerate(model, tokenizer, max_new_tokens=40, temperature=1.0,
+                              tool_call_stop=["</tool_call>"], seed=0)
     gateway = Gateway(generator)
     questions = ["What is 645 * 49?", "What is 312 * 17?", "What is 905 - 78?"]
     with gateway.serve() as url:

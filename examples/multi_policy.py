@@ -49,7 +49,6 @@ from SimpleTorchLLMRL.model.adapters import (
     save_adapters,
     use_adapter,
 )
-from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.recipes.calculator import arithmetic as calc
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 
@@ -153,9 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(TINY_CALC)
     base = AutoModelForCausalLM.from_pretrained(TINY_CALC, dtype=torch.float32)
     model = add_agent_adapters(base, AGENTS, r=args.rank, alpha=2 * args.rank)  # one adapter per agent
-    generator = ModelGenerate(model, tokenizer, seed=args.seed,
-                              sampling=SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=1.0,
-                                                      tool_call_stop=["</tool_call>"]))
+    generator = ModelGenerate(model, tokenizer, max_new_tokens=args.max_new_tokens, temperature=1.0,
+                              tool_call_stop=["</tool_call>"], seed=args.seed)
     trained = [a for a in AGENTS if a not in args.frozen]
     for agent in args.frozen:
         freeze_adapter(model, agent)  # a fixed policy: it plays, nothing trains it
@@ -165,9 +163,8 @@ def main(argv: list[str] | None = None) -> dict:
     held_out = problems(random.Random(args.seed + 1), args.eval_episodes, "test")
 
     def evaluate() -> dict[str, float]:
-        eval_gen = ModelGenerate(model, tokenizer, seed=12345,
-                                 sampling=SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=1.0,
-                                                         tool_call_stop=["</tool_call>"]))
+        eval_gen = ModelGenerate(model, tokenizer, max_new_tokens=args.max_new_tokens, temperature=1.0,
+                                 tool_call_stop=["</tool_call>"], seed=12345)
         return mean_rewards(play(episodes_for(held_out, 1), eval_gen))
 
     before = evaluate()

@@ -64,7 +64,7 @@ def test_every_sampled_completion_matches_the_grammar(calc):
 def test_greedy_is_the_argmax_over_the_tokens_the_grammar_allows(calc):
     model, tok = calc
     [r] = rollouts(1)
-    [[m]] = ModelGenerate(model, tok, max_new_tokens=16, do_sample=False).generate(
+    [[m]] = ModelGenerate(model, tok, sampling=SamplingConfig(max_new_tokens=16, do_sample=False)).generate(
         [r], sampling=SamplingConfig(max_new_tokens=16, do_sample=False, grammar=ANSWER))
     # naive reference: a full forward per step, the matcher's mask, the argmax
     ids = encode_prompt(r, tok)

@@ -6,7 +6,6 @@ import torch
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import rollouts_to_batch
 from SimpleTorchLLMRL.env import CodeEnv, QASolverEnv, ToolEpisode, ToolUseEnv, collect_rollouts, tool_stats
-from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.tools import PythonSandbox, ToolRegistry, calculator, format_json_call
 from tests.scripted_agent import ScriptedGenerator, assert_only_model_turns_trained, run_scripted
 
@@ -116,8 +115,7 @@ def test_real_generator_smoke(chatml_tokenizer):
 
     env = ToolUseEnv([calculator], max_turns=2)
     model = tiny_model("qwen2", chatml_tokenizer, max_position_embeddings=1024)
-    gen = ModelGenerate(model, chatml_tokenizer, seed=0,
-                        sampling=SamplingConfig(max_new_tokens=6, tool_call_stop=env.stop_strings))
+    gen = ModelGenerate(model, chatml_tokenizer, max_new_tokens=6, tool_call_stop=env.stop_strings, seed=0)
     rollouts = collect_rollouts(gen, env, ["What is 3 * 9?"], ["27"], group_size=2)
     batch = rollouts_to_batch(rollouts, chatml_tokenizer)
     assert batch.input_ids.shape[0] == 2 and int(batch.loss_mask.sum()) > 0

@@ -237,10 +237,8 @@ def test_multi_turn_calculator_episodes_on_the_real_tokenizer():
     got = {}
     for decode in ("default", "fast"):
         env = ToolUseEnv([calculator], custom_sys_prompt=SYSTEM_PROMPT, max_turns=2)
-        gen = ModelGenerate(model, tok, seed=1,
-                            sampling=SamplingConfig(max_new_tokens=40, temperature=1.0,
-                                                    tool_call_stop=env.stop_strings),
-                            backend=BackendConfig(decode=decode))
+        gen = ModelGenerate(model, tok, max_new_tokens=40, temperature=1.0, tool_call_stop=env.stop_strings,
+                            seed=1, backend=BackendConfig(decode=decode))
         got[decode] = collect_rollouts(gen, env, ["What is 645 * 49?", "What is 312 + 85?"], ["31605", "397"],
                                        group_size=2)
     turns = 0

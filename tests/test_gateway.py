@@ -19,7 +19,7 @@ from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout  # noqa:
 from SimpleTorchLLMRL.chat.rollout_io import load_rollouts  # noqa: E402
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
-from SimpleTorchLLMRL.gateway.openai_format import reply_view  # noqa: E402
+from SimpleTorchLLMRL.gateway.chat import reply_view  # noqa: E402
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC  # noqa: E402
 from SimpleTorchLLMRL.tools.parsers import ToolCall  # noqa: E402
 from tests.gateway_helpers import calc_env, load_calc, start  # noqa: E402

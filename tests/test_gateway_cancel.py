@@ -13,7 +13,7 @@ pytest.importorskip("fastapi")
 
 from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.message import Rollout  # noqa: E402
-from SimpleTorchLLMRL.gateway import Gateway, streaming  # noqa: E402
+from SimpleTorchLLMRL.gateway import Gateway, batcher  # noqa: E402
 from SimpleTorchLLMRL.model.generation.fast_decode import STREAM_EVERY  # noqa: E402
 from SimpleTorchLLMRL.model.generation.generator import BackendConfig
 from SimpleTorchLLMRL.model.generation.sampling import (
@@ -99,17 +99,17 @@ BODY = {"model": "policy", "messages": [{"role": "user", "content": "Count."}], 
 
 
 class CancelSpy:
-    """Records the model's forward count when a call's listener is cancelled (the server saw the hang-up)."""
+    """Records the model's forward count when a call's job is cancelled (the server saw the hang-up)."""
 
     def __init__(self, monkeypatch, steps: StepCounter):
         self.at: list[int] = []
-        original = streaming.Listener.cancel
+        original = batcher.Job.cancel
 
-        def cancel(listener):
+        def cancel(job):
             self.at.append(steps.count)
-            original(listener)
+            original(job)
 
-        monkeypatch.setattr(streaming.Listener, "cancel", cancel)
+        monkeypatch.setattr(batcher.Job, "cancel", cancel)
 
 
 def wait_idle(steps: StepCounter, quiet: float = 0.5, limit: float = 60) -> None:
@@ -195,7 +195,7 @@ def test_a_request_batched_with_a_hung_up_stream_gets_the_same_ids(calc, decode)
                     if hang_up and content_of(sse_chunks([line])):
                         break
             thread.join(120)
-        assert gw.batcher.batches == [2]
+        assert list(gw.batcher.batches) == [2]
         assert ("leaver" in gw.sessions()) is not hang_up
         [rollout] = gw.rollouts("stayer")
         return out["reply"], rollout[-1].token_ids

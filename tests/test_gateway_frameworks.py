@@ -32,8 +32,7 @@ from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.message import MessageType  # noqa: E402
 from SimpleTorchLLMRL.chat.tokenize import encode_rollout  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
-from SimpleTorchLLMRL.gateway.openai_format import reply_view  # noqa: E402
-from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig  # noqa: E402
+from SimpleTorchLLMRL.gateway.chat import reply_view  # noqa: E402
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import CALCULATOR_SCHEMA, SYSTEM_PROMPT  # noqa: E402
 from SimpleTorchLLMRL.tools.calculator import CalculatorError, evaluate  # noqa: E402
 from tests.gateway_helpers import QUESTION, load_calc, start  # noqa: E402
@@ -64,9 +63,8 @@ def calc():
 def served(calc):
     """(gateway, base url, tokenizer): one server for the module; each test names its own API keys."""
     model, tok = calc
-    generator = ModelGenerate(model, tok, seed=0,
-                              sampling=SamplingConfig(max_new_tokens=40, temperature=1.0,
-                                                      tool_call_stop=["</tool_call>"]))
+    generator = ModelGenerate(model, tok, max_new_tokens=40, temperature=1.0, tool_call_stop=["</tool_call>"],
+                              seed=0)
     gw = Gateway(generator)
     with gw.serve() as url:
         yield gw, url, tok

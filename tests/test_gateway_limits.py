@@ -15,7 +15,6 @@ from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.tokenize import encode_rollout  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
 from SimpleTorchLLMRL.gateway import server as gateway_server  # noqa: E402
-from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig  # noqa: E402
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import CALCULATOR_SCHEMA  # noqa: E402
 from tests.gateway_helpers import load_calc, start  # noqa: E402
 
@@ -26,9 +25,8 @@ TOOLS = [CALCULATOR_SCHEMA]
 @pytest.fixture(scope="module")
 def generator():
     model, tok = load_calc()
-    return ModelGenerate(model, tok, seed=0,
-                         sampling=SamplingConfig(max_new_tokens=40, temperature=1.0,
-                                                 tool_call_stop=["</tool_call>"]))
+    return ModelGenerate(model, tok, max_new_tokens=40, temperature=1.0, tool_call_stop=["</tool_call>"],
+                         seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -39,9 +39,8 @@ def calc():
 
 def make_gateway(calc, **kw) -> Gateway:
     model, tok = calc
-    generator = ModelGenerate(model, tok, seed=0,
-                              sampling=SamplingConfig(max_new_tokens=40, temperature=0.0,
-                                                      tool_call_stop=calc_env().stop_strings))
+    generator = ModelGenerate(model, tok, max_new_tokens=40, temperature=0.0,
+                              tool_call_stop=calc_env().stop_strings, seed=0)
     return Gateway(generator, **kw)
 
 
@@ -294,10 +293,9 @@ def test_links_go_with_their_session(calc):
 
 def test_a_session_keeps_its_latest_links_only():
     store = SessionStore()
-    from SimpleTorchLLMRL.gateway.openai_format import ChatRequest
-    from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
+    from SimpleTorchLLMRL.gateway.request import GenRequest
 
-    req = ChatRequest(chat=[{"role": "user", "content": "hi"}], tools=None, sampling=SamplingConfig())
+    req = GenRequest(SamplingConfig(), messages=[{"role": "user", "content": "hi"}])
     session, plan = store.open("k", req)
     store.record(session, plan, [], [])
     store.release(session)

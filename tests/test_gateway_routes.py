@@ -14,7 +14,6 @@ openai = pytest.importorskip("openai")
 
 from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
-from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig  # noqa: E402
 from tests.gateway_helpers import load_calc  # noqa: E402
 
 # raw text in the tiny model's chat format: a prompt it continues for several tokens
@@ -29,9 +28,8 @@ def calc():
 @pytest.fixture(scope="module")
 def served(calc):
     model, tok = calc
-    gw = Gateway(ModelGenerate(model, tok, seed=0,
-                               sampling=SamplingConfig(max_new_tokens=12, temperature=1.0,
-                                                       tool_call_stop=["</tool_call>"])))
+    gw = Gateway(ModelGenerate(model, tok, max_new_tokens=12, temperature=1.0,
+                               tool_call_stop=["</tool_call>"], seed=0))
     with gw.serve() as url:
         yield gw, url
 

@@ -144,10 +144,10 @@ def test_the_backend_takes_the_calls_settings_as_an_argument(calc):
     gen = ModelGenerate(model, tok, seed=0, **DEFAULTS, backend=BackendConfig(decode="default"))
     prompt = gen.prompt_ids([rollout()])
     call = dataclasses.replace(UNUSUAL, eos_token_ids=gen.config.eos_token_ids)
-    [[sample]] = gen.backend.generate(prompt, 1, 0, sampling=call)
+    [[sample]] = gen.backend.generate(prompt, 1, [0], sampling=call)
     assert len(sample.token_ids) <= 3 and gen.backend.logprob_temperature_for(call) == 1.9
     with pytest.raises(TypeError, match="sampling must be a SamplingConfig"):
-        gen.backend.generate(prompt, 1, 0, sampling={"temperature": 1.9})
+        gen.backend.generate(prompt, 1, [0], sampling={"temperature": 1.9})
 
 
 def test_a_request_parsed_while_another_generates_gets_the_gateways_defaults(calc, gate):
@@ -236,9 +236,8 @@ class RejectingParser:
 
 def make_gateway(calc, env, **kw) -> Gateway:
     model, tok = calc
-    gen = ModelGenerate(model, tok, seed=0,
-                        sampling=SamplingConfig(max_new_tokens=40, temperature=1.0,
-                                                tool_call_stop=env.stop_strings))
+    gen = ModelGenerate(model, tok, max_new_tokens=40, temperature=1.0, tool_call_stop=env.stop_strings,
+                        seed=0)
     return Gateway(gen, **kw)
 
 
@@ -299,14 +298,18 @@ def test_a_tool_call_that_does_not_parse_finishes_with_stop(calc, env):
         assert "<tool_call>" in text and calls == [] and finish == ["stop"]
 
 
-def test_finish_reason_maps_the_generators_reasons():
-    from SimpleTorchLLMRL.gateway.openai_format import finish_reason
+def test_finish_reason_maps_the_generators_reasons(env):
+    from SimpleTorchLLMRL.chat.message import Message, MessageType
+    from SimpleTorchLLMRL.gateway.request import reply_choice
+    from tests.gateway_helpers import parse_chat
 
-    call = [{"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": "{}"}}]
-    assert finish_reason("tool_call", call) == "tool_calls"
-    assert finish_reason("tool_call", []) == "stop"
-    assert (finish_reason("stop", []), finish_reason("length", []), finish_reason(None, [])) == ("stop", "length",
-                                                                                                   "stop")
-    with pytest.raises(ValueError, match="unknown finish_reason 'tool_calls'"):
-        finish_reason("tool_calls", [])
+    def finish(reason, text="x", tools=None):
+        req = parse_chat({"messages": start(), **({"tools": tools} if tools else {})})
+        return reply_choice(0, Message(text, MessageType.MODEL, finish_reason=reason), req, None).finish_reason
+
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1"}}\n</tool_call>'
+    assert finish("tool_call", call, env.tools) == "tool_calls"
+    assert finish("tool_call", call) == "stop"  # no tools offered: no call shown
+    assert (finish("stop"), finish("length"), finish(None)) == ("stop", "length", "stop")
+    assert finish("length", call + "\n<tool_", env.tools) == "length"  # cut while writing a second call
 

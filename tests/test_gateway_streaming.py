@@ -13,8 +13,8 @@ pytest.importorskip("fastapi")
 from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.message import MessageType, Rollout  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
-from SimpleTorchLLMRL.gateway.openai_format import reply_view  # noqa: E402
-from SimpleTorchLLMRL.gateway.streaming import RowText, held_suffix, tool_openings  # noqa: E402
+from SimpleTorchLLMRL.gateway.chat import held_suffix, reply_view, tool_openings  # noqa: E402
+from SimpleTorchLLMRL.gateway.streaming import RowText  # noqa: E402
 from SimpleTorchLLMRL.model.generation.fast_decode import STREAM_EVERY  # noqa: E402
 from SimpleTorchLLMRL.model.generation.generator import BackendConfig
 from SimpleTorchLLMRL.model.generation.sampling import (
@@ -294,27 +294,31 @@ def test_a_streamed_call_records_exactly_what_the_same_call_records_unstreamed(c
 
 
 def test_the_stream_is_a_reusable_iterator_of_text_deltas(calc, env):
-    """`Gateway.reply_events` (what the chat stream is made of) used directly: deltas, then the recorded result."""
+    """`Gateway.events` (the pipeline, what the chat stream is made of) used directly: deltas, then the
+    recorded result."""
     import asyncio
 
-    from SimpleTorchLLMRL.gateway.openai_format import parse_request
-    from SimpleTorchLLMRL.gateway.streaming import Finished, Started, TextDelta
+    from SimpleTorchLLMRL.gateway import chat
+    from SimpleTorchLLMRL.gateway.request import Finished, Started
+    from SimpleTorchLLMRL.gateway.streaming import Listener, TextDelta
 
     gw = gateway(calc, env, "default")
-    req = parse_request({"messages": start(), "stream": True, "max_tokens": 30, "seed": 2}, "policy", gw.defaults)
+    req = chat.parse({"messages": start(), "stream": True, "max_tokens": 30, "seed": 2}, gw)
 
     async def run():
         gw.batcher.start()
         try:
-            return [e async for e in gw.reply_events("direct", req, explicit=False)]
+            listener = Listener.of(req, gw.tokenizer, gw.tool_parsers)
+            return [e async for e in gw.events(req, ("direct", False), listener)]
         finally:
             await gw.batcher.stop()
 
     events = asyncio.run(run())
     assert isinstance(events[0], Started) and isinstance(events[-1], Finished)
     deltas = [e.text for e in events if isinstance(e, TextDelta)]
-    assert len(deltas) > 1 and "".join(deltas) == events[-1].replies[0].content
-    assert model_turns(gw, "direct")[0].token_ids == events[-1].replies[0].token_ids
+    [choice] = events[-1].result.choices
+    assert len(deltas) > 1 and "".join(deltas) == choice.content == choice.message.content
+    assert model_turns(gw, "direct")[0].token_ids == choice.message.token_ids
 
 
 def test_a_stream_over_the_vllm_backend_comes_token_by_token(monkeypatch, tmp_path):

@@ -67,8 +67,9 @@ def test_logprobs_are_of_the_top_k_top_p_distribution(model, tok):
 
 def test_greedy_records_logprobs_at_configured_temperature(model, tok):
     r = questions(1)[0]
-    msg = ModelGenerate(model, tok, max_new_tokens=6, temperature=0.5,
-                        do_sample=False).rollout_generate_response(r)
+    msg = ModelGenerate(model, tok,
+                        sampling=SamplingConfig(max_new_tokens=6, temperature=0.5,
+                                                do_sample=False)).rollout_generate_response(r)
     assert msg.temperature == 0.5
     ref = reference_logprobs(model, encode_prompt(r, tok), msg.token_ids, 0.5)
     torch.testing.assert_close(torch.tensor(msg.logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
@@ -77,7 +78,9 @@ def test_greedy_records_logprobs_at_configured_temperature(model, tok):
 
 
 def greedy_ids(model, tok, r, n=12):
-    return ModelGenerate(model, tok, max_new_tokens=n, do_sample=False).rollout_generate_response(r).token_ids
+    return ModelGenerate(model, tok,
+                         sampling=SamplingConfig(max_new_tokens=n,
+                                                 do_sample=False)).rollout_generate_response(r).token_ids
 
 
 def test_eos_cuts_and_is_kept(model, tok):
@@ -89,7 +92,9 @@ def test_eos_cuts_and_is_kept(model, tok):
                         sampling=SamplingConfig(max_new_tokens=12, do_sample=False,
                                                 eos_token_ids=[eos])).rollout_generate_response(r)
     assert msg.token_ids == full[: k + 1] and msg.finish_reason == "stop"
-    long = ModelGenerate(model, tok, max_new_tokens=12, do_sample=False).rollout_generate_response(r)
+    long = ModelGenerate(model, tok,
+                         sampling=SamplingConfig(max_new_tokens=12,
+                                                 do_sample=False)).rollout_generate_response(r)
     assert long.finish_reason == "length" and len(long.token_ids) == 12
 
 
@@ -270,7 +275,7 @@ def test_the_constructor_takes_at_most_eight_parameters():
     import inspect
 
     params = [p for p in inspect.signature(ModelGenerate.__init__).parameters if p != "self"]
-    assert params == ["model", "tokenizer", "max_new_tokens", "temperature", "do_sample", "sampling", "backend",
+    assert params == ["model", "tokenizer", "max_new_tokens", "temperature", "tool_call_stop", "sampling", "backend",
                       "seed"]
 
 

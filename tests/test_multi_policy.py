@@ -34,6 +34,7 @@ from SimpleTorchLLMRL.model.adapters import (
     use_adapter,
 )
 from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.testing.tiny import tiny_model
 from SimpleTorchLLMRL.trainer.GRPO import GRPO
 
@@ -311,12 +312,12 @@ def test_vllm_serves_one_lora_request_per_agent(monkeypatch, tok, tmp_path):
     base_model(tok).save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")
     llm = vllm.LLM(str(tmp_path / "base"), enable_lora=True)
-    gen = ModelGenerate(llm, tok, max_new_tokens=8, do_sample=False)
+    gen = ModelGenerate(llm, tok, sampling=SamplingConfig(max_new_tokens=8, do_sample=False))
     with pytest.raises(ValueError, match="push_weights"):
         gen.generate(prompts(), adapter="A")
     gen.push_weights(model, mode="adapter", adapter=AGENTS)
     assert gen.policy_version == 1 and sorted(gen.backend.lora_requests) == AGENTS
-    hf = ModelGenerate(model, tok, max_new_tokens=8, do_sample=False)
+    hf = ModelGenerate(model, tok, sampling=SamplingConfig(max_new_tokens=8, do_sample=False))
     want = {a: ids_of(hf.generate(prompts(), adapter=a)) for a in AGENTS}
     assert want["A"] != want["B"]
     for agent in AGENTS:

@@ -144,22 +144,9 @@ def step():
     assert stated_return_mismatches(source.replace("-> StepOutput", "-> LossOutput")) == []
 
 
-@pytest.mark.parametrize("name", ["Sample", "cut_sample"])
-def test_names_moved_out_of_model_generate_warn_and_resolve(name):
-    from SimpleTorchLLMRL.model import generate
-    from SimpleTorchLLMRL.model.generation import sampling
-
-    with pytest.warns(DeprecationWarning, match=rf"use `from SimpleTorchLLMRL\.model\.generation\.sampling import {name}`"):
-        assert getattr(generate, name) is getattr(sampling, name)
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        generate.nope  # noqa: B018
-
-
 def test_the_changelog_lists_every_old_name():
-    from SimpleTorchLLMRL.model import generate
-
     changelog = (Path(__file__).resolve().parents[1] / "CHANGELOG.md").read_text()
     old = [n for table in (SimpleTorchLLMRL._EARLIER, SimpleTorchLLMRL._SEED) for names in table.values() for n in names]
-    old += list(generate._MOVED)
+    old += ["Sample", "cut_sample"]  # the names model/generate.py served until 0.2.0
     assert len(old) == 33
     assert [n for n in old if f"`{n}`" not in changelog and f".{n}`" not in changelog] == []

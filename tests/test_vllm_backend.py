@@ -117,7 +117,9 @@ def test_request_shape_sent_to_vllm(vllm, tok, model_dir, monkeypatch):
 
 def test_finish_reasons_from_completion_outputs(vllm, tok, model_dir):
     llm = vllm.LLM(model_dir)
-    base = ModelGenerate(llm, tok, max_new_tokens=12, do_sample=False).generate(rollouts(1))[0][0]
+    base = ModelGenerate(llm, tok,
+                         sampling=SamplingConfig(max_new_tokens=12,
+                                                 do_sample=False)).generate(rollouts(1))[0][0]
     assert base.finish_reason == "length" and len(base.token_ids) == 12
     stop = tok.decode(base.token_ids[3:5], skip_special_tokens=True)
     tool = ModelGenerate(llm, tok,
@@ -191,7 +193,9 @@ def test_a_watched_call_that_fails_leaves_no_request_in_the_engine(vllm, tok, mo
 
 def test_greedy_group_repeats_prompts_instead_of_n(vllm, tok, model_dir):
     llm = vllm.LLM(model_dir)
-    groups = ModelGenerate(llm, tok, max_new_tokens=4, do_sample=False).generate(rollouts(2), n=2)
+    groups = ModelGenerate(llm, tok,
+                           sampling=SamplingConfig(max_new_tokens=4,
+                                                   do_sample=False)).generate(rollouts(2), n=2)
     assert [[m.token_ids == g[0].token_ids for m in g] for g in groups] == [[True, True], [True, True]]
     assert llm.generate_calls[-1]["n_prompts"] == 4
 
@@ -231,15 +235,16 @@ def test_prompt_over_max_model_len_names_the_rollout(vllm, tok, model_dir):
 
 
 def greedy(gen_model, tok):
-    return [g[0].token_ids for g in ModelGenerate(gen_model, tok, max_new_tokens=8,
-                                                  do_sample=False).generate(rollouts())]
+    return [g[0].token_ids for g in ModelGenerate(gen_model, tok,
+                                                  sampling=SamplingConfig(max_new_tokens=8,
+                                                                          do_sample=False)).generate(rollouts())]
 
 
 def test_push_full_weights(vllm, tok, model_dir):
     llm = vllm.LLM(model_dir)
     other = peaked(tiny_model("qwen2", tok), seed=1)
     assert greedy(llm, tok) != greedy(other, tok)
-    ModelGenerate(llm, tok, do_sample=False).push_weights(other, mode="full")
+    ModelGenerate(llm, tok, sampling=SamplingConfig(do_sample=False)).push_weights(other, mode="full")
     assert greedy(llm, tok) == greedy(other, tok) and llm.prefix_cache_resets >= 1
     assert llm._vllm_model.load_calls == 1 and llm.llm_engine._worker.reload_calls == 1
 
@@ -287,11 +292,12 @@ def test_push_merged_peft_weights_leaves_the_model_untouched(vllm, tok, model_di
 def test_push_adapter_serves_it_through_lora_requests(vllm, tok, model_dir):
     peft_model = lora_policy(tok, 3)
     with pytest.raises(ValueError, match="LoRA is not enabled"):
-        gen = ModelGenerate(vllm.LLM(model_dir), tok, max_new_tokens=8, do_sample=False)
+        gen = ModelGenerate(vllm.LLM(model_dir), tok,
+                            sampling=SamplingConfig(max_new_tokens=8, do_sample=False))
         gen.push_weights(peft_model, mode="adapter")
         gen.generate(rollouts())
     llm = vllm.LLM(model_dir, enable_lora=True)
-    gen = ModelGenerate(llm, tok, max_new_tokens=8, do_sample=False)
+    gen = ModelGenerate(llm, tok, sampling=SamplingConfig(max_new_tokens=8, do_sample=False))
     gen.push_weights(peft_model, mode="adapter")
     first = gen.backend.lora_request
     assert [g[0].token_ids for g in gen.generate(rollouts())] == greedy(peft_model, tok)
@@ -301,7 +307,7 @@ def test_push_adapter_serves_it_through_lora_requests(vllm, tok, model_dir):
 
 def test_sleep_wake_and_push_for_colocation(vllm, tok, model_dir):
     llm = vllm.LLM(model_dir, enable_sleep_mode=True)
-    gen = ModelGenerate(llm, tok, max_new_tokens=8, do_sample=False)
+    gen = ModelGenerate(llm, tok, sampling=SamplingConfig(max_new_tokens=8, do_sample=False))
     want = greedy(llm, tok)
     gen.sleep(level=2)
     with pytest.raises(RuntimeError, match="asleep"):
@@ -334,9 +340,11 @@ def test_real_vllm_logprobs_and_weight_push(tmp_path, tok):
         ref = reference_logprobs(hf, encode_prompt(r, tok), msg.token_ids, 0.7)
         torch.testing.assert_close(torch.tensor(msg.logprobs, dtype=torch.float64), ref, atol=2e-3, rtol=0)
     other = peaked(tiny_model("qwen2", tok, hidden_size=128, num_heads=2), seed=1)
-    gen_greedy = ModelGenerate(llm, tok, max_new_tokens=8, do_sample=False)
+    gen_greedy = ModelGenerate(llm, tok, sampling=SamplingConfig(max_new_tokens=8, do_sample=False))
     gen_greedy.push_weights(other)
-    want = [g[0].token_ids for g in ModelGenerate(other, tok, max_new_tokens=8, do_sample=False).generate(rs)]
+    want = [g[0].token_ids for g in ModelGenerate(other, tok,
+                                                  sampling=SamplingConfig(max_new_tokens=8,
+                                                                          do_sample=False)).generate(rs)]
     assert [g[0].token_ids for g in gen_greedy.generate(rs)] == want
 
 

@@ -66,10 +66,13 @@ def test_sampled_ids_are_kept_and_logprobs_match_hf(llm, hf):
 def test_greedy_ids_equal_hf_greedy_and_lengths_and_stops(llm, hf):
     model, tok = hf
     rollouts = _rollouts()
-    engine = ModelGenerate(llm, tok, max_new_tokens=20, do_sample=False).generate(rollouts)
-    local = ModelGenerate(model, tok, max_new_tokens=20, do_sample=False).generate(rollouts)
+    engine = ModelGenerate(llm, tok,
+                           sampling=SamplingConfig(max_new_tokens=20, do_sample=False)).generate(rollouts)
+    local = ModelGenerate(model, tok,
+                          sampling=SamplingConfig(max_new_tokens=20, do_sample=False)).generate(rollouts)
     assert [g[0].token_ids for g in engine] == [g[0].token_ids for g in local]
-    short = ModelGenerate(llm, tok, max_new_tokens=3, do_sample=False).generate(rollouts)
+    short = ModelGenerate(llm, tok,
+                          sampling=SamplingConfig(max_new_tokens=3, do_sample=False)).generate(rollouts)
     assert all(len(g[0].token_ids) <= 3 for g in short)
     assert any(g[0].finish_reason == "length" for g in short)
     text = engine[0][0].content
@@ -87,7 +90,8 @@ def test_logit_bias_and_penalties_match_the_hf_picker_and_keep_raw_logprobs(llm,
     engine's raw_logprobs stay the HF model's log-probs of the raw logits."""
     model, tok = hf
     rollouts = _rollouts()
-    plain = ModelGenerate(llm, tok, max_new_tokens=12, do_sample=False).generate(rollouts)
+    plain = ModelGenerate(llm, tok,
+                          sampling=SamplingConfig(max_new_tokens=12, do_sample=False)).generate(rollouts)
     first = plain[0][0].token_ids[0]
     configs = [SamplingConfig(max_new_tokens=12, do_sample=False, logit_bias={first: -100}),
                SamplingConfig(max_new_tokens=12, do_sample=False, frequency_penalty=1.5, presence_penalty=0.5),
@@ -111,9 +115,7 @@ def test_logit_bias_and_penalties_match_the_hf_picker_and_keep_raw_logprobs(llm,
 def test_multi_turn_episodes_keep_as_sampled_prompts(llm, hf):
     _, tok = hf
     env = ToolUseEnv([calculator], custom_sys_prompt=SYSTEM_PROMPT, max_turns=2)
-    gen = ModelGenerate(llm, tok, seed=1,
-                        sampling=SamplingConfig(max_new_tokens=40, temperature=1.0,
-                                                tool_call_stop=env.stop_strings))
+    gen = ModelGenerate(llm, tok, max_new_tokens=40, temperature=1.0, tool_call_stop=env.stop_strings, seed=1)
     episodes = collect_rollouts(gen, env, ["What is 645 * 49?", "What is 312 + 85?"], ["31605", "397"],
                                 group_size=2)
     turns = 0

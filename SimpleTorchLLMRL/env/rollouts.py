@@ -66,6 +66,18 @@ def _finish(rollout: Rollout, reason: str) -> None:
     rollout.metadata["done_reason"] = reason
 
 
+def _fitting(generator, rollouts: list[Rollout], active: list[int]) -> tuple[list[int], dict]:
+    """The active episodes whose next prompt fits the generator's context (the others end with done_reason
+    "context"), and their prompts as encoded (`prompt_ids=`), when the generator says what fits."""
+    if not hasattr(generator, "fits"):
+        return active, {}
+    encoded = dict(zip(active, generator.prompt_ids([rollouts[i] for i in active]), strict=True))
+    for i in [i for i in active if not generator.fits(encoded[i])]:
+        _finish(rollouts[i], "context")
+    active = [i for i in active if generator.fits(encoded[i])]
+    return active, {"prompt_ids": [encoded[i] for i in active]}
+
+
 def collect_rollouts(generator, env, questions: Sequence[Any], answers: Sequence[Any] | None = None,
                      group_size: int = 1, max_turns: int | None = None,
                      max_workers: int | None = None) -> list[Rollout]:
@@ -100,16 +112,10 @@ def collect_rollouts(generator, env, questions: Sequence[Any], answers: Sequence
         rollouts = list(pool.map(lambda job: _setup(env, *job, tools), jobs))
         active = list(range(len(rollouts)))
         for turn in range(max_turns):
-            prompts = None
-            if turn > 0 and hasattr(generator, "fits"):
-                encoded = dict(zip(active, generator.prompt_ids([rollouts[i] for i in active]), strict=True))
-                for i in [i for i in active if not generator.fits(encoded[i])]:
-                    _finish(rollouts[i], "context")
-                active = [i for i in active if generator.fits(encoded[i])]
-                prompts = {"prompt_ids": [encoded[i] for i in active]}
+            active, prompts = _fitting(generator, rollouts, active) if turn > 0 else (active, {})
             if not active:
                 break
-            generator.batch_rollout_generate_response([rollouts[i] for i in active], **(prompts or {}))
+            generator.batch_rollout_generate_response([rollouts[i] for i in active], **prompts)
             for i in active:
                 rollouts[i].metadata["turns"] += 1
             results = list(pool.map(lambda i: _step(env, rollouts[i]), active))

@@ -1,10 +1,10 @@
-"""Models: `generate.ModelGenerate` (the seed path) over two subpackages, and the weights' modules.
+"""Models: `generation.generator.ModelGenerate` over two subpackages, and the weights' modules.
 
 - `generation/`: how a turn is sampled (sampling, picker, constrain, the HF and vLLM backends,
-  the fast decode, the vLLM engine and its stream, watch, weight_sync);
+  the fast decode, the vLLM engine and its stream, weight_sync; `generator`: ModelGenerate);
 - `scoring/`: per-token log-probs through the output head (logprobs, head, hidden, the kernels,
   shared_prefix, truncation, liger);
-- here: `generate` (ModelGenerate), `lora`, `adapters`, `dropout`.
+- here: `lora`, `adapters`, `dropout`; `ModelGenerate` is `generation/generator.py`.
 
 Nothing is imported eagerly, so `import SimpleTorchLLMRL.model` stays cheap; import the modules.
 `MOVED` is the one table of the modules that moved into the subpackages: their old paths
@@ -25,7 +25,7 @@ MOVED = {  # old path -> new module; "module:name" rows: a name that left its mo
     "SimpleTorchLLMRL.model.vllm": f"{_G}.vllm",
     "SimpleTorchLLMRL.model.vllm_engine": f"{_G}.vllm_engine",
     "SimpleTorchLLMRL.model.vllm_stream": f"{_G}.vllm_stream",
-    "SimpleTorchLLMRL.model.watch": f"{_G}.watch",
+    "SimpleTorchLLMRL.model.watch": f"{_G}.sampling",  # DecodeWatch now lives in sampling
     "SimpleTorchLLMRL.model.weight_sync": f"{_G}.weight_sync",
     "SimpleTorchLLMRL.model.head_kernels": f"{_S}.head_kernels",
     "SimpleTorchLLMRL.model.head_triton": f"{_S}.head_triton",

@@ -88,7 +88,7 @@ def _sampling_config(sampling: SamplingConfig | None, given: dict) -> SamplingCo
     both (a keyword that differs from its default is an error)."""
     if sampling is None:
         return SamplingConfig(**given)
-    defaults = {f.name: f.default for f in dataclasses.fields(SamplingConfig)}
+    defaults = {f.name: f.default for f in dataclasses.fields(SamplingConfig)} | {"tool_call_stop": None}
     both = sorted(k for k, v in given.items() if v != defaults[k])
     if both:
         raise ValueError(f"ModelGenerate got sampling= and also {both}; put them in the SamplingConfig")
@@ -123,27 +123,31 @@ def _check_seed(s) -> None:
 class ModelGenerate:
     """Generate MODEL turns for rollouts (or raw token-id prompts) with an HF model or a `vllm.LLM`.
 
-        gen = ModelGenerate(model, tokenizer, max_new_tokens=128, temperature=0.8, seed=0)
+        gen = ModelGenerate(model, tokenizer, max_new_tokens=128, temperature=0.8,
+                            tool_call_stop="</tool_call>", seed=0)
         gen.batch_rollout_generate_response(rollouts)        # appends one MODEL message to each (the seed API)
         groups = gen.generate(rollouts, n=8)                 # list[list[Message]], 8 per rollout
         gen.generate(rollouts, adapter="solver")             # with one agent's LoRA adapter (model/adapters.py)
 
     model: an HF causal LM (peft models too), a `vllm.LLM`, or with a vLLM backend a model path.
-    max_new_tokens, temperature, do_sample: the common sampling options; every other one (top_p, top_k,
-    min_p, stop, tool_call_stop, eos_token_ids, logit_bias, penalties, grammar) lives in `sampling`, a
+    max_new_tokens, temperature, tool_call_stop (stop strings that end a turn with finish_reason
+    "tool_call", e.g. "</tool_call>"): the common sampling options; every other one (do_sample, top_p,
+    top_k, min_p, stop, eos_token_ids, logit_bias, penalties, grammar) lives in `sampling`, a
     `SamplingConfig` that replaces those three keywords (give one or the other). eos_token_ids left
-    empty: the tokenizer's EOS + the model's generation-config EOS. backend: a kind ("auto", "hf",
-    "vllm") or a `BackendConfig` (the decode loop, HF batch size, vLLM LoRA request and engine settings).
+    empty: the tokenizer's EOS + the model's generation-config EOS. Greedy: `temperature=0` (log-probs
+    recorded at temperature 1) or `SamplingConfig(do_sample=False)` (at the configured temperature).
+    backend: a kind ("auto", "hf", "vllm") or a `BackendConfig` (the decode loop, HF batch size, vLLM
+    LoRA request and engine settings).
     seed: the generator's sequence of seeds, one per unseeded prompt (reproducible calls).
     `policy_version` (an attribute, 0 at first) is stamped on every sampled message; bump it after each
     optimizer step (the HF backend samples with the live model); `push_weights` bumps it.
     """
 
-    def __init__(self, model, tokenizer=None, max_new_tokens: int = 50, temperature: float = 0.7,
-                 do_sample: bool = True, *, sampling: SamplingConfig | None = None,
+    def __init__(self, model, tokenizer=None, max_new_tokens: int = 50, temperature: float = 0.7, *,
+                 tool_call_stop: str | Sequence[str] | None = None, sampling: SamplingConfig | None = None,
                  backend: str | BackendConfig = "auto", seed: int | None = None):
         self.config = _sampling_config(sampling, dict(max_new_tokens=max_new_tokens, temperature=temperature,
-                                                      do_sample=do_sample))
+                                                      tool_call_stop=tool_call_stop))
         engine = BackendConfig.of(backend)
         _check_seed(seed)
         use_vllm = engine.kind == "vllm" or (engine.kind == "auto" and is_vllm_llm(model))

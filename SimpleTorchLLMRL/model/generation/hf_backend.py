@@ -137,6 +137,12 @@ class HFBackend:
     def check_sampling(self, sampling: SamplingConfig) -> None:
         """Nothing to refuse: the HF loop records log-probs under any settings."""
 
+    def prepare_grammar(self, grammar: str) -> None:
+        """Compile `grammar` for this model now (its caller's thread), so a call with it finds it compiled."""
+        from SimpleTorchLLMRL.model.generation.constrain import compiled_grammar
+
+        compiled_grammar(self.tokenizer, self.vocab_size, grammar)
+
     def top_logprobs(self, prompt_ids: list[int], token_ids: list[int], temperature: float,
                      k: int) -> list[list[tuple[int, float]]]:
         """The k most likely ids and their log-probs at each of `token_ids`' positions, under logits /

@@ -33,6 +33,11 @@ class Backend(Protocol):
         call with `sampling` (vLLM: its engine's log-probs mode); the HF backend records any settings."""
         ...
 
+    def prepare_grammar(self, grammar: str) -> None:
+        """Ahead of a call, on the caller's thread: compile `grammar` (EBNF) for this model (HF; vLLM only checks
+        it parses, its engine compiles), so the call does not compile it on the generating thread."""
+        ...
+
     def top_logprobs(self, prompt_ids: list[int], token_ids: list[int], temperature: float,
                      k: int) -> list[list[tuple[int, float]]]:
         """At each of `token_ids`' positions after `prompt_ids`: the k most likely (id, log-prob) pairs under
@@ -119,7 +124,7 @@ class SamplingConfig:
         self.min_p = float(self.min_p)
         self.stop = _as_strings("stop", self.stop)
         self.tool_call_stop = _as_strings("tool_call_stop", self.tool_call_stop)
-        self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
+        self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids or ())  # empty: the generator fills in its own
         self.logit_bias = _as_bias(self.logit_bias)
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)

@@ -135,6 +135,12 @@ class VLLMBackend:
                      k: int) -> list[list[tuple[int, float]]]:
         raise ValueError("top log-probs need the HF backend: this engine records only the sampled ids' log-probs")
 
+    def prepare_grammar(self, grammar: str) -> None:
+        """Check that `grammar` parses (the engine compiles it itself, off its sampling loop)."""
+        from SimpleTorchLLMRL.model.generation.constrain import check_grammar
+
+        check_grammar(grammar)
+
     def check_sampling(self, cfg: SamplingConfig) -> None:
         """Raise when this engine's log-probs mode cannot record `cfg`'s log-probs (a per-call override)."""
         problem = logprobs_mode_problem(self.logprobs_mode, cfg)
