@@ -91,8 +91,7 @@ def scenario_grpo():
     model, tok = _calc()
     rows = build_dataset(2, seed=0)
     env = ToolUseEnv([calculator], custom_sys_prompt=SYSTEM_PROMPT, max_turns=2)
-    gen = ModelGenerate(model, tok, max_new_tokens=24, temperature=1.0, tool_call_stop=env.stop_strings,
-                        seed=0)
+    gen = ModelGenerate(model, tok, max_new_tokens=24, temperature=1.0, tool_call_stop=env.stop_strings, seed=0)
     rollouts = collect_rollouts(gen, env, [r["question"] for r in rows], [r["answer"] for r in rows], group_size=4)
     rewards = BoxedReward()(rollouts, [r.metadata["answer"] for r in rollouts])
     rewards = rewards + torch.arange(len(rollouts)) * 0.01  # never a constant group

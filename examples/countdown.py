@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer, described = load_model(args.model, args.seed)
     print(f"model: {described} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters)")
     env = ToolUseEnv([calculator], max_turns=args.max_turns)
-    generator = ModelGenerate(model, tokenizer, max_new_tokens=args.max_new_tokens,
-                              temperature=args.temperature, tool_call_stop=env.stop_strings, seed=args.seed)
+    generator = ModelGenerate(model, tokenizer, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              tool_call_stop=env.stop_strings, seed=args.seed)
     reward_fn = FunctionReward(countdown_score, name="countdown")
     disable_dropout(model)  # exact on-policy ratios
     grpo = GRPO(model, tokenizer, eps=0.2, beta=0.0, temperature=args.temperature)

@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer, what = load_model_or_tiny(args.model, seed=args.seed)
     env = ToolUseEnv([calculator], custom_sys_prompt=arithmetic.SYSTEM_PROMPT, max_turns=3)
     problems = arithmetic.generate_problems(args.questions, seed=args.seed, split="test")
-    gen = ModelGenerate(model, tokenizer, max_new_tokens=32, temperature=1.0, tool_call_stop=env.stop_strings,
-                        seed=args.seed)
+    gen = ModelGenerate(model, tokenizer, max_new_tokens=32, temperature=1.0, seed=args.seed,
+                        tool_call_stop=env.stop_strings)
     rollouts = collect_rollouts(gen, env, [p.question for p in problems], [p.answer for p in problems],
                                 group_size=args.group_size)  # (R,)
     rewards = BoxedReward()(rollouts, [r.metadata["answer"] for r in rollouts])  # (R,)

@@ -11,8 +11,7 @@ The task is a two-step calculation split between two agents (a cooperative chain
 
 Each agent is rewarded for its own step: the planner for boxing a + b, the finisher for boxing
 x - c, where x is the number the planner boxed (0 when it boxed none). Both agents sample from
-one shared transcript, each with its own adapter (`ModelGenerate(...,
-                                                                 adapter=)`); each is trained on the same transcript
+one shared transcript, each with its own adapter (`ModelGenerate(..., adapter=)`); each is trained on the same transcript
 with only its own turns in the loss mask (`set_trainable_agents`), its own GRPO groups and
 advantages, its adapter active (`use_adapter`), and an optimizer over its adapter only. The KL
 term (--beta) is taken to the base model: the adapters switched off.

@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer, described = load_model(args.model, args.seed)
     print(f"model: {described} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters)")
     env = ToolUseEnv([calculator], max_turns=args.max_turns)  # the default prompt names the tool and format
-    generator = ModelGenerate(model, tokenizer, max_new_tokens=args.max_new_tokens,
-                              temperature=args.temperature, tool_call_stop=env.stop_strings, seed=args.seed)
+    generator = ModelGenerate(model, tokenizer, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              tool_call_stop=env.stop_strings, seed=args.seed)
     # 1.0 for the right number in the last \boxed{}, plus 0.1 for having a \boxed{} at all
     reward_fn = CombinedReward([(BoxedReward(), 1.0), (FormatReward(r"\\boxed\{.+?\}", mode="search"), 0.1)])
     disable_dropout(model)  # exact on-policy ratios

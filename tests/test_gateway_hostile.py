@@ -103,16 +103,17 @@ def neighbours_answer_while(url: str, send) -> list[float]:
     """Seconds each /health and each neighbour's short chat request took while `send()` runs in a thread."""
     took, done = [], threading.Event()
     thread = threading.Thread(target=lambda: (send(), done.set()))
+    neighbour = {"model": "policy", "messages": start(), "max_tokens": 1}
     with httpx.Client(timeout=30) as client:
-        client.get(url.removesuffix("/v1") + "/health")  # connected
+        client.get(url.removesuffix("/v1") + "/health")  # connected, and the neighbour's path warm
+        assert client.post(f"{url}/chat/completions", json=neighbour).status_code == 200
         thread.start()
         while not took or not done.is_set():  # at least once, then until the request is answered
             t0 = time.perf_counter()
             assert client.get(url.removesuffix("/v1") + "/health").status_code == 200
             took.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            r = client.post(f"{url}/chat/completions", json={"model": "policy", "messages": start(), "max_tokens": 1},
-                            headers={"Authorization": "Bearer neighbour"})
+            r = client.post(f"{url}/chat/completions", json=neighbour, headers={"Authorization": "Bearer neighbour"})
             assert r.status_code == 200
             took.append(time.perf_counter() - t0)
         thread.join()

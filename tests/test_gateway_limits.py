@@ -25,8 +25,7 @@ TOOLS = [CALCULATOR_SCHEMA]
 @pytest.fixture(scope="module")
 def generator():
     model, tok = load_calc()
-    return ModelGenerate(model, tok, max_new_tokens=40, temperature=1.0, tool_call_stop=["</tool_call>"],
-                         seed=0)
+    return ModelGenerate(model, tok, max_new_tokens=40, temperature=1.0, tool_call_stop=["</tool_call>"], seed=0)
 
 
 @pytest.fixture(scope="module")

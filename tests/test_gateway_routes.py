@@ -28,8 +28,8 @@ def calc():
 @pytest.fixture(scope="module")
 def served(calc):
     model, tok = calc
-    gw = Gateway(ModelGenerate(model, tok, max_new_tokens=12, temperature=1.0,
-                               tool_call_stop=["</tool_call>"], seed=0))
+    gw = Gateway(ModelGenerate(model, tok, max_new_tokens=12, temperature=1.0, tool_call_stop=["</tool_call>"],
+                               seed=0))
     with gw.serve() as url:
         yield gw, url
 

@@ -300,7 +300,7 @@ def test_a_tool_call_that_does_not_parse_finishes_with_stop(calc, env):
 
 def test_finish_reason_maps_the_generators_reasons(env):
     from SimpleTorchLLMRL.chat.message import Message, MessageType
-    from SimpleTorchLLMRL.gateway.request import reply_choice
+    from SimpleTorchLLMRL.gateway.chat import reply_choice
     from tests.gateway_helpers import parse_chat
 
     def finish(reason, text="x", tools=None):

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from SimpleTorchLLMRL.chat.message import Rollout
+from SimpleTorchLLMRL.chat.message import Message, Rollout
 from SimpleTorchLLMRL.gateway.request import (
+    FINISH,
     MAX_N,
     MAX_SEED,
     Choice,
@@ -31,6 +32,7 @@ from SimpleTorchLLMRL.gateway.request import (
     int_field,
     sampling_of,
     stop_field,
+    without_stop,
 )
 from SimpleTorchLLMRL.tools.parsers import JsonToolCallParser, ToolCall, parse_tool_calls
 
@@ -319,6 +321,27 @@ def wire_call(call: ToolCall) -> dict:
     shown = call.to_openai()
     shown["function"]["arguments"] = json.dumps(shown["function"]["arguments"], ensure_ascii=False)
     return {"id": f"call_{uuid.uuid4().hex[:24]}", **shown}
+
+
+def reply_choice(index: int, msg: Message, req: GenRequest, parsers: Sequence | None, prompt: int = 0) -> Choice:
+    """What the client is shown of a sampled reply: its text without the request's own stop string where one
+    ended it; with tools offered, well-formed calls as OpenAI tool_calls (any malformed call: the whole text
+    as content). A reply cut by max_tokens inside a call shows the calls it completed and no fragment of the
+    cut one, with finish_reason "length"."""
+    text = msg.content
+    if req.stop and msg.finish_reason == "stop":
+        text = without_stop(text, req.stop)
+    calls: list[dict] = []
+    if req.tools:
+        text, calls = reply_view(text, req.tools, parsers, cut=msg.finish_reason == "length")
+    if calls:
+        finish = "length" if msg.finish_reason == "length" else "tool_calls"
+    else:
+        finish = FINISH.get(msg.finish_reason or "stop")
+        if finish is None:
+            raise ValueError(f"unknown finish_reason {msg.finish_reason!r}; expected one of {sorted(FINISH)}")
+    return Choice(index, msg, text, calls, finish, prompt)
+
 
 
 # ----------------------------------------------------------------------------- render

@@ -18,7 +18,6 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,14 +84,15 @@ SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 YIELD_EVERY = 2000  # nodes a walk checks between two releases of the GIL (a large body, off the event loop)
 
 
-def parse_json(raw: bytes, piecewise: bool = False) -> Any:
+def parse_json(raw: bytes, piecewise: bool = False, longest: dict[str, int] | None = None) -> Any:
     """The body as JSON; 400 when it is not JSON, nests deeper than MAX_JSON_DEPTH levels, or holds a string
     that is not valid Unicode (named by its top-level field). Strings are walked only when the raw text holds
     a surrogate escape; the walk lets other threads run every YIELD_EVERY nodes. piecewise (a large body, on
     a worker thread): decoded one top-level member, and one element of a top-level list, at a time, the GIL
-    released between pieces, so no one C call holds it for the whole body (`json.loads` never releases it)."""
+    released between pieces, so no one C call holds it for the whole body (`json.loads` never releases it);
+    a top-level list longer than `longest[field]` is refused (400 naming it) before the rest is decoded."""
     try:
-        body = _loads_piecewise(raw.decode("utf-8")) if piecewise else json.loads(raw)
+        body = _loads_piecewise(raw.decode("utf-8"), longest or {}) if piecewise else json.loads(raw)
     except RecursionError as e:
         raise bad(f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels") from e
     except (ValueError, UnicodeDecodeError) as e:
@@ -105,7 +105,7 @@ _DECODER = json.JSONDecoder()
 _SPACE = re.compile(r"[ \t\n\r]*")
 
 
-def _loads_piecewise(text: str) -> Any:
+def _loads_piecewise(text: str, longest: dict[str, int]) -> Any:
     """`json.loads(text)` of a JSON object, its members decoded one by one and a list member element by element."""
     i = _SPACE.match(text).end()
     if not text.startswith("{", i):
@@ -118,7 +118,7 @@ def _loads_piecewise(text: str) -> Any:
         if not isinstance(key, str):
             raise ValueError(f"a member name at char {i} is not a string")
         i = _SPACE.match(text, _expect(text, i, ":")).end()
-        out[key], i = _value_piecewise(text, i)
+        out[key], i = _value_piecewise(text, i, key, longest.get(key))
         i = _SPACE.match(text, i).end()
         if i >= len(text):
             raise ValueError("unterminated object")
@@ -127,11 +127,14 @@ def _loads_piecewise(text: str) -> Any:
     return out
 
 
-def _value_piecewise(text: str, i: int) -> tuple[Any, int]:
+def _value_piecewise(text: str, i: int, key: str, limit: int | None) -> tuple[Any, int]:
     if not text.startswith("[", i):
         return _DECODER.raw_decode(text, i)
     out, i = [], _SPACE.match(text, i + 1).end()
     while not text.startswith("]", i):
+        if limit is not None and len(out) >= limit:
+            raise bad(f"'{key}' holds more than {limit} items; at most {limit} per request", key,
+                      "array_above_max_length")
         if out:
             i = _SPACE.match(text, _expect(text, i, ",")).end()
         value, i = _DECODER.raw_decode(text, i)
@@ -401,28 +404,6 @@ def without_stop(text: str, stops) -> str:
     the recorded ids and MODEL message keep it, as sampled)."""
     cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=len(text))
     return text[:cut]
-
-
-def reply_choice(index: int, msg: Message, req: GenRequest, parsers: Sequence | None, prompt: int = 0) -> Choice:
-    """What the client is shown of a sampled reply: its text without the request's own stop string where one
-    ended it; with tools offered, well-formed calls as OpenAI tool_calls (any malformed call: the whole text
-    as content). A reply cut by max_tokens inside a call shows the calls it completed and no fragment of the
-    cut one, with finish_reason "length"."""
-    text = msg.content
-    if req.stop and msg.finish_reason == "stop":
-        text = without_stop(text, req.stop)
-    calls: list[dict] = []
-    if req.tools:
-        from SimpleTorchLLMRL.gateway.chat import reply_view
-
-        text, calls = reply_view(text, req.tools, parsers, cut=msg.finish_reason == "length")
-    if calls:
-        finish = "length" if msg.finish_reason == "length" else "tool_calls"
-    else:
-        finish = FINISH.get(msg.finish_reason or "stop")
-        if finish is None:
-            raise ValueError(f"unknown finish_reason {msg.finish_reason!r}; expected one of {sorted(FINISH)}")
-    return Choice(index, msg, text, calls, finish, prompt)
 
 
 def new_id(prefix: str = "chatcmpl") -> str:

@@ -32,7 +32,7 @@ HONOURED = frozenset({
     "parallel_tool_calls", "stream", "stream_options", "previous_response_id", "include", "top_logprobs", "text",
     "store", "return_token_ids", "chat_template_kwargs",
 })
-# passed to the chat path as they are: accepted there without effect on sampling (gateway.fields.NO_EFFECT)
+# passed to the chat path as they are: accepted there without effect on sampling (chat.NO_EFFECT)
 PASSED = frozenset({"metadata", "user", "safety_identifier", "service_tier", "prompt_cache_key",
                     "prompt_cache_retention", "prompt_cache_options"})
 # field -> (the values that ask for nothing, why any other is refused)

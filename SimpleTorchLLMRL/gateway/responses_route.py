@@ -22,7 +22,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from SimpleTorchLLMRL.gateway import chat
+import SimpleTorchLLMRL.gateway.chat as chat
 from SimpleTorchLLMRL.gateway.request import Finished, GenRequest, RequestError, Result, bad
 from SimpleTorchLLMRL.gateway.responses import (
     as_responses_error,

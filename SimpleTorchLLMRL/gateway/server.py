@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from SimpleTorchLLMRL.chat.message import Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
 from SimpleTorchLLMRL.gateway.batcher import Batcher, Job
+from SimpleTorchLLMRL.gateway.chat import reply_choice
 from SimpleTorchLLMRL.gateway.request import (
     DEFAULT_MAX_BODY_BYTES,
     Finished,
@@ -42,7 +43,6 @@ from SimpleTorchLLMRL.gateway.request import (
     check_prompt_size,
     parse_json,
     read_body,
-    reply_choice,
 )
 from SimpleTorchLLMRL.gateway.sessions import NamedLocks, Plan, SessionStore, shown_view
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
@@ -75,23 +75,28 @@ class Route:
     """A generation route's two ends. parse(body, gateway) -> GenRequest; render(result, req, gateway) -> a
     JSON-ready dict (or a response); stream(started, events, req, gateway) -> the streaming response of a live
     stream (None: the route renders streams itself); respell(RequestError) -> the error as the route names
-    its fields."""
+    its fields; longest: the most items a top-level list field may hold (refused before the rest of a large
+    body is decoded)."""
 
     path: str
     parse: Callable
     render: Callable
     stream: Callable | None = None
     respell: Callable | None = None
+    longest: dict[str, int] | None = None  # top-level list fields' limits, checked while a large body is read
 
 
 def routes() -> list[Route]:
-    from SimpleTorchLLMRL.gateway import chat, completions, responses_route
+    import SimpleTorchLLMRL.gateway.chat as chat
+    import SimpleTorchLLMRL.gateway.completions as completions
+    import SimpleTorchLLMRL.gateway.responses_route as responses_route
     from SimpleTorchLLMRL.gateway.streaming import chat_stream
 
-    return [Route("/v1/chat/completions", chat.parse, chat.render, chat_stream),
+    tools = {"tools": chat.MAX_TOOLS}
+    return [Route("/v1/chat/completions", chat.parse, chat.render, chat_stream, longest=tools),
             Route("/v1/completions", completions.parse, completions.render),
             Route("/v1/responses", responses_route.parse, responses_route.render, responses_route.stream,
-                  responses_route.respell)]
+                  responses_route.respell, longest=tools)]
 
 
 class Gateway:
@@ -248,7 +253,7 @@ class Gateway:
             try:
                 raw = await read_body(request, self.max_body_bytes)
                 if len(raw) > INLINE_BYTES:  # a large body is parsed on a worker thread, not the event loop
-                    req = await asyncio.to_thread(lambda: route.parse(parse_json(raw, piecewise=True), self))
+                    req = await asyncio.to_thread(lambda: route.parse(parse_json(raw, True, route.longest), self))
                 else:
                     req = route.parse(parse_json(raw), self)
                 check_prompt_size(req, self.max_context)
@@ -358,7 +363,7 @@ class Gateway:
         return prompts, sampling
 
     async def _result(self, req: GenRequest, prompts: list[list[int]], jobs: list[Job], session) -> Result:
-        """The call's choices as shown (`request.reply_choice`), with their top log-probs when asked."""
+        """The call's choices as shown (`chat.reply_choice`), with their top log-probs when asked."""
         try:
             replies = [await job.future for job in jobs]
         except ValueError as e:
