@@ -154,8 +154,8 @@ def test_an_idle_session_is_finished_after_the_ttl_with_no_further_calls(calc, t
     with gw.serve() as url:
         r = ask(openai.OpenAI(base_url=url, api_key="sweep"), start("What is 2 + 2?"))
         deadline = time.monotonic() + 10
-        while len(gw.store) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while (len(gw.store) or not path.exists() or not load_rollouts(path)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the session leaves the store, then its rollouts reach the file (the sweeper's thread)
         assert len(gw.store) == 0 and gw.sessions() == []
         [saved] = load_rollouts(path)
         assert sampled(saved) == (ids(r),)

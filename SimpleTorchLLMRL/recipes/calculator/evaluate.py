@@ -58,9 +58,8 @@ def evaluate(model, tokenizer, env, reward_fn, rows: Sequence[dict], *, k: int, 
     report["accuracy"] = report.pop("greedy_accuracy")
     if k_problems > 0:
         sub_q, sub_a = questions[:k_problems], answers[:k_problems]
-        sampler = ModelGenerate(engine if engine is not None else model, tokenizer,
-                                max_new_tokens=max_new_tokens, temperature=temperature,
-                                tool_call_stop=env.stop_strings, seed=seed)
+        sampler = ModelGenerate(engine if engine is not None else model, tokenizer, max_new_tokens=max_new_tokens,
+                                temperature=temperature, tool_call_stop=env.stop_strings, seed=seed)
         sampled = collect_rollouts(sampler, env, sub_q, sub_a, group_size=k, max_turns=max_turns)
         correct = (reward_fn(sampled, [a for a in sub_a for _ in range(k)]) >= 1.0).view(len(sub_q), k)  # (P, k)
         report[f"pass@{k}"] = sum(pass_at_k(k, int(c), k) for c in correct.sum(1)) / len(sub_q)
