@@ -17,7 +17,7 @@ __version__ = "0.2.0"
 _FRONT_DOOR = {
     "SimpleTorchLLMRL.chat.message": ["Message", "MessageType", "Rollout"],
     "SimpleTorchLLMRL.chat.tokenize": ["encode_rollout", "rollouts_to_batch"],
-    "SimpleTorchLLMRL.model.generate": ["ModelGenerate"],
+    "SimpleTorchLLMRL.model.generation.generator": ["ModelGenerate"],
     "SimpleTorchLLMRL.env.base": ["Env"],
     "SimpleTorchLLMRL.env.rollouts": ["collect_rollouts"],
     "SimpleTorchLLMRL.trainer.grpo": ["GRPO"],

@@ -45,11 +45,14 @@ def variant(model, tok, batch: int, new_tokens: int) -> dict:
     import torch
     from generation import rollouts
 
-    from SimpleTorchLLMRL.model.generate import ModelGenerate
     from SimpleTorchLLMRL.model.generation.fast_decode import DECODERS
+    from SimpleTorchLLMRL.model.generation.generator import BackendConfig, ModelGenerate
+    from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 
-    gen = ModelGenerate(model, tok, max_new_tokens=new_tokens, temperature=1.0, seed=0, decode="fast",
-                        eos_token_ids=[model.config.vocab_size - 1])
+    gen = ModelGenerate(model, tok, seed=0,
+                        sampling=SamplingConfig(max_new_tokens=new_tokens, temperature=1.0,
+                                                eos_token_ids=[model.config.vocab_size - 1]),
+                        backend=BackendConfig(decode="fast"))
     rs = rollouts(batch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

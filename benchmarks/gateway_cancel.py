@@ -21,6 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from SimpleTorchLLMRL import ModelGenerate
 from SimpleTorchLLMRL.gateway import Gateway
+from SimpleTorchLLMRL.model.generation.generator import BackendConfig
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 
 NEVER = 10**6  # an EOS id no step samples: the long reply runs until it is cancelled or reaches --long
@@ -50,8 +52,10 @@ def hf_generator(a) -> tuple[ModelGenerate, dict, dict]:
     """The embedded model on the HF loop --decode, no request fields, and a count of its forwards."""
     model = AutoModelForCausalLM.from_pretrained(TINY_CALC).eval()
     tok = AutoTokenizer.from_pretrained(TINY_CALC, padding_side="left")
-    gen = ModelGenerate(model, tok, max_new_tokens=a.long, temperature=1.0, seed=0, decode=a.decode,
-                        eos_token_ids=[NEVER])
+    gen = ModelGenerate(model, tok, seed=0,
+                        sampling=SamplingConfig(max_new_tokens=a.long, temperature=1.0,
+                                                eos_token_ids=[NEVER]),
+                        backend=BackendConfig(decode=a.decode))
     steps = {"n": 0}
     model.register_forward_pre_hook(lambda *_: steps.__setitem__("n", steps["n"] + 1))
     return gen, {}, steps
@@ -62,7 +66,8 @@ def vllm_generator(a) -> tuple[ModelGenerate, dict, dict]:
     from SimpleTorchLLMRL.model.generation.vllm_engine import make_llm
 
     llm = make_llm(TINY_CALC, temperature=1.0, max_model_len=1024, enforce_eager=True)
-    gen = ModelGenerate(llm, AutoTokenizer.from_pretrained(TINY_CALC), max_new_tokens=a.long, temperature=1.0, seed=0)
+    gen = ModelGenerate(llm, AutoTokenizer.from_pretrained(TINY_CALC), max_new_tokens=a.long, temperature=1.0,
+                        seed=0)
     steps, step = {"n": 0}, llm.llm_engine.step
 
     def counted():

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from SimpleTorchLLMRL import ModelGenerate
 from SimpleTorchLLMRL.chat.message import Rollout
+from SimpleTorchLLMRL.model.generation.generator import BackendConfig
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 
@@ -27,7 +28,8 @@ UNUSUAL = SamplingConfig(max_new_tokens=3, temperature=1.9, stop=("zz",))
 def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(TINY_CALC).eval()
     tok = AutoTokenizer.from_pretrained(TINY_CALC, padding_side="left")
-    gen = ModelGenerate(model, tok, max_new_tokens=8, temperature=0.7, seed=0, decode="default")
+    gen = ModelGenerate(model, tok, max_new_tokens=8, temperature=0.7, seed=0,
+                        backend=BackendConfig(decode="default"))
     prompt = Rollout.from_chat([{"role": "user", "content": "What is 2 + 2?"}])
     entered, release, armed = threading.Event(), threading.Event(), [True]
 

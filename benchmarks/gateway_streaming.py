@@ -22,6 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from SimpleTorchLLMRL import ModelGenerate
 from SimpleTorchLLMRL.gateway import Gateway
+from SimpleTorchLLMRL.model.generation.generator import BackendConfig
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 
 NEVER = 10**6  # an EOS id no step samples: every reply runs to max_tokens
@@ -52,7 +54,8 @@ def vllm_generator(tokens: int) -> tuple[ModelGenerate, dict]:
     from SimpleTorchLLMRL.model.generation.vllm_engine import make_llm
 
     llm = make_llm(TINY_CALC, temperature=1.0, max_model_len=1024, enforce_eager=True)
-    gen = ModelGenerate(llm, AutoTokenizer.from_pretrained(TINY_CALC), max_new_tokens=tokens, temperature=1.0, seed=0)
+    gen = ModelGenerate(llm, AutoTokenizer.from_pretrained(TINY_CALC), max_new_tokens=tokens, temperature=1.0,
+                        seed=0)
     return gen, {"logit_bias": {str(t): -100 for t in gen.config.eos_token_ids}}
 
 
@@ -82,8 +85,10 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(TINY_CALC).eval()
     tok = AutoTokenizer.from_pretrained(TINY_CALC, padding_side="left")
     for decode in a.decode:
-        gen = ModelGenerate(model, tok, max_new_tokens=a.tokens, temperature=1.0, seed=0, decode=decode,
-                            eos_token_ids=[NEVER])
+        gen = ModelGenerate(model, tok, seed=0,
+                            sampling=SamplingConfig(max_new_tokens=a.tokens, temperature=1.0,
+                                                    eos_token_ids=[NEVER]),
+                            backend=BackendConfig(decode=decode))
         report(f"decode={decode}", gen, a)
 
 

@@ -31,6 +31,9 @@ import time
 import warnings
 from pathlib import Path
 
+from SimpleTorchLLMRL.model.generation.generator import BackendConfig
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SIDES = ("default", "fast", "vllm", "loop")
@@ -80,13 +83,14 @@ def throughput(gen, batch: int, device: str, loop: bool = False) -> float:
 
 def agreement(model, tok, opts: dict, batch: int) -> dict:
     """`fast` against `default` under one seed: rows with identical ids, max |d log p| where both sampled."""
-    from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 
     out = {}
     for name, temperature in (("greedy", 0.0), ("sampled", 1.0)):
         got = {}
         for decode in ("default", "fast"):
-            gen = ModelGenerate(model, tok, **{**opts, "temperature": temperature}, decode=decode)
+            gen = ModelGenerate(model, tok, seed=0, sampling=SamplingConfig(**{**opts, "temperature": temperature}),
+                                backend=BackendConfig(decode=decode))
             got[decode] = [g[0] for g in gen.generate(rollouts(batch))]
         same = gap = 0.0
         first = []
@@ -119,7 +123,7 @@ def main() -> None:
 
     import torch
 
-    from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("generation.py: CUDA is not available, nothing measured (run it on a machine with a GPU, "
@@ -130,7 +134,7 @@ def main() -> None:
     sides = a.sides or ["default", "fast"] + (["vllm"] if importlib.util.find_spec("vllm") else [])
     model, tok = build(a.shape, a.dtype, a.device)
     never = [model.config.vocab_size - 1]  # all but never sampled (vLLM wants stop ids inside the vocabulary)
-    opts = dict(max_new_tokens=a.new_tokens, temperature=1.0, seed=0, eos_token_ids=never)
+    opts = dict(max_new_tokens=a.new_tokens, temperature=1.0, eos_token_ids=never)  # a SamplingConfig's
     res = {"shape": a.shape, "dtype": a.dtype, "device": torch.cuda.get_device_name() if a.device.startswith("cuda")
            else "cpu", "threads": torch.get_num_threads(), "new_tokens": a.new_tokens,
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"), "tokens_per_s": {}}
@@ -141,7 +145,7 @@ def main() -> None:
             rates = vllm_rates(model, tok, a, opts)
         else:
             decode = "default" if side == "loop" else side
-            gen = ModelGenerate(model, tok, **opts, decode=decode)
+            gen = ModelGenerate(model, tok, seed=0, sampling=SamplingConfig(**opts), backend=BackendConfig(decode=decode))
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 rates = [throughput(gen, b, a.device, loop=side == "loop") for b in a.batches]
@@ -172,7 +176,7 @@ def what_ran(model, caught) -> dict:
 
 def vllm_rates(model, tok, a, opts: dict) -> list[float]:
     """The engine on the same weights (saved to a temporary directory), after freeing the HF model's GPU memory."""
-    from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
     from SimpleTorchLLMRL.model.generation.vllm_engine import make_llm
 
     with tempfile.TemporaryDirectory() as path:
@@ -180,7 +184,7 @@ def vllm_rates(model, tok, a, opts: dict) -> list[float]:
         tok.save_pretrained(path)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         llm = make_llm(path, dtype=a.dtype, max_model_len=min(1024, model.config.max_position_embeddings))
-        gen = ModelGenerate(llm, tok, **opts)
+        gen = ModelGenerate(llm, tok, seed=0, sampling=SamplingConfig(**opts))
         return [throughput(gen, b, a.device) for b in a.batches]
 
 

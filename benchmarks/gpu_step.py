@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
+
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_step.json"
 
 QWEN25_05B = dict(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -88,11 +90,13 @@ def grpo_step(model, tokenizer, prompts, args, device, opt, gen, grpo) -> dict:
     import torch
 
     from SimpleTorchLLMRL.chat.message import Message, Rollout
+    from SimpleTorchLLMRL.model.generation.generator import extend_groups
 
     t = {}
     _sync(device)
     t0 = time.perf_counter()
-    rollouts = gen.group_rollout_generate_response([Rollout([Message(p)]) for p in prompts], n=args.group)
+    base = [Rollout([Message(p)]) for p in prompts]
+    rollouts = extend_groups(base, gen.generate(base, n=args.group))
     _sync(device)
     t1 = time.perf_counter()
     tb = grpo.prepare(rollouts, torch.ones(len(rollouts)))  # constant reward: the step's cost does not depend on it
@@ -118,7 +122,7 @@ def grpo_step(model, tokenizer, prompts, args, device, opt, gen, grpo) -> dict:
 def run_case(shape: dict, lora: bool, args, device, dtype, peak: float) -> dict:
     import torch
 
-    from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
     from SimpleTorchLLMRL.testing.tiny import tiny_tokenizer
     from SimpleTorchLLMRL.trainer.grpo import GRPO
 
@@ -126,8 +130,9 @@ def run_case(shape: dict, lora: bool, args, device, dtype, peak: float) -> dict:
     model = build(shape, tok, device, dtype, lora)
     words = "the quick brown fox jumps over the lazy dog and counts 1 2 3 4 5 6 7 8 9 10".split()
     prompts = [" ".join(words[(i + k) % len(words)] for k in range(args.prompt_words)) for i in range(args.prompts)]
-    gen = ModelGenerate(model, tok, max_new_tokens=args.new_tokens, temperature=1.0,
-                        eos_token_ids=[shape["vocab_size"] + 7])  # unreachable: every row runs N tokens
+    gen = ModelGenerate(model, tok,
+                        sampling=SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0,
+                                                eos_token_ids=[shape["vocab_size"] + 7]))  # unreachable: every row runs N tokens
     grpo = GRPO(model, tok, beta=0.0, group_size=args.group, temperature=1.0)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0, fused=device.type == "cuda")

@@ -30,6 +30,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
+
 CLOCKS = ("wall", "cpu")  # perf_counter and process_time: with 1 thread, CPU seconds do not count waiting for a core
 LR = 1e-6
 QWEN25_05B = dict(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -217,13 +219,14 @@ def run_ours(vocab: int, steps: int = 2, profile: str | None = None, share: bool
     import torch
 
     from SimpleTorchLLMRL.chat.message import Message, Rollout
-    from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.model.generation.generator import ModelGenerate, extend_groups
     from SimpleTorchLLMRL.trainer.grpo import GRPO
 
     tok, model = _ours_model(vocab, liger, lora)
     G = RUN.shape.group
-    gen = ModelGenerate(model, tok, max_new_tokens=RUN.shape.new_tokens, temperature=1.0,
-                        eos_token_ids=[vocab + 7])  # never sampled: every row runs N tokens, like min_new_tokens
+    gen = ModelGenerate(model, tok,
+                        sampling=SamplingConfig(max_new_tokens=RUN.shape.new_tokens, temperature=1.0,
+                                                eos_token_ids=[vocab + 7]))  # never sampled: every row runs N tokens, like min_new_tokens
     gen.backend.share_prefill = share
     grpo = GRPO(model, tok, beta=0.0, group_size=G, temperature=1.0, share_prefix=share,
                 head_impl=os.environ.get("GRPO_SIDES_HEAD_IMPL", "auto"))
@@ -242,7 +245,7 @@ def run_ours(vocab: int, steps: int = 2, profile: str | None = None, share: bool
         acc0 = timers.snapshot()
         c0 = _clock()
         model.eval()
-        rollouts = gen.group_rollout_generate_response(base, n=G)  # B rollouts
+        rollouts = extend_groups(base, gen.generate(base, n=G))  # B rollouts
         c1 = _clock()
         rewards = torch.tensor(constant_reward(completions=rollouts))
         tb = grpo.prepare(rollouts, rewards)

@@ -78,7 +78,7 @@ def _source_hashes() -> dict[str, str]:
     import hashlib
 
     root = Path(__file__).resolve().parent.parent / "SimpleTorchLLMRL"
-    files = ["model/generate.py", "model/generation/hf_backend.py", "model/scoring/logprobs.py",
+    files = ["model/generation/generator.py", "model/generation/hf_backend.py", "model/scoring/logprobs.py",
              "model/scoring/head.py", "model/scoring/head_kernels.py", "trainer/pipeline.py",
              "model/scoring/shared_prefix.py", "trainer/grpo.py", "trainer/losses.py", "chat/tokenize.py"]
     return {f: hashlib.sha1((root / f).read_bytes()).hexdigest()[:10] for f in files if (root / f).exists()}

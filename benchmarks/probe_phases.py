@@ -13,7 +13,7 @@ import time
 import psutil
 import torch
 
-from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 from SimpleTorchLLMRL.model.scoring import logprobs as _lp
 from SimpleTorchLLMRL.trainer.grpo import GRPO
 
@@ -51,7 +51,7 @@ def _wrap(owner, name: str, label: str, saved: bool = False) -> None:
     setattr(owner, name, probed)
 
 
-_wrap(ModelGenerate, "group_rollout_generate_response", "generate")
+_wrap(ModelGenerate, "generate", "generate")
 _wrap(GRPO, "calculate_loss", "loss_forward", saved=True)
 _wrap(_lp._FusedTokenLoss, "apply", "fused_head")
 _wrap(torch.Tensor, "backward", "backward")

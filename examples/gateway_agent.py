@@ -100,7 +100,7 @@ def main() -> None:
             generator.policy_version += 1  # the next episodes come from the updated weights
             turns = sum(m.token_ids is not None for r in rollouts for m in r) / len(rollouts)
             print(f"step {step}: reward {rewards.mean():.3f} over {len(rollouts)} rollouts, "
-                  f"{turns:.2f} sampled turns each, batches {gateway.batcher.batches[-4:]}", flush=True)
+                  f"{turns:.2f} sampled turns each, batches {list(gateway.batcher.batches)[-4:]}", flush=True)
             gateway.batcher.batches.clear()
             history.append(float(rewards.mean()))
     k = max(1, min(4, len(history) // 2))

@@ -32,7 +32,6 @@ Legend: Q questions per step (--batch-size), G samples per question (--group-siz
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import random
 import time
@@ -71,7 +70,9 @@ def boxed_int(message: Message | None) -> int | None:
 def agent_step(episodes: list[Rollout], agent: str, generator: ModelGenerate, max_turns: int = 2) -> None:
     """`agent` speaks in every episode (sampled with its own adapter); a calculator call is answered
     by a TOOL message and the agent speaks again, up to `max_turns` turns."""
-    respond = functools.partial(generator.responses, adapter=agent)
+    def respond(rollouts: list[Rollout]) -> list[Message]:
+        return [group[0] for group in generator.generate(rollouts, adapter=agent)]
+
     active = list(episodes)
     for turn in range(max_turns):
         if not active:

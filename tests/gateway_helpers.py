@@ -26,3 +26,15 @@ def calc_env() -> ToolUseEnv:
 def start(question: str = QUESTION) -> list[dict]:
     """The first messages of an episode, as an OpenAI client sends them."""
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+
+
+def parse_chat(body: dict, defaults=None, **ctx):
+    """`chat.parse` of a body against a stand-in for the gateway (`ctx` overrides its fields)."""
+    from types import SimpleNamespace
+
+    from SimpleTorchLLMRL.gateway import chat
+    from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
+
+    fields = dict(model_name="policy", defaults=defaults or SamplingConfig(), vocab_size=None, tool_parsers=None,
+                  supports_top_logprobs=True, tokenizer=None) | ctx
+    return chat.parse(body, SimpleNamespace(**fields))

@@ -20,3 +20,17 @@ def reference_logprobs(model, prompt, ids, temperature):
     lp = torch.log_softmax(logits / temperature, -1)
     pos = torch.arange(len(prompt) - 1, len(prompt) + len(ids) - 1)
     return lp[pos, torch.tensor(ids)]
+
+
+def make_generator(model, tok, *, seed=None, decode="auto", batch_size=None, sampling=None, **options):
+    """`ModelGenerate` with any `SamplingConfig` field as a keyword (the tests' shorthand): the options go into
+    one SamplingConfig (or `sampling` as given), decode / batch_size into the BackendConfig."""
+    from SimpleTorchLLMRL.model.generation.generator import BackendConfig, ModelGenerate
+    from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
+
+    if sampling is None:
+        sampling = SamplingConfig(**options)
+    elif options:
+        raise ValueError(f"give sampling= or the options {sorted(options)}, not both")
+    return ModelGenerate(model, tok, sampling=sampling, seed=seed,
+                         backend=BackendConfig(decode=decode, batch_size=batch_size))

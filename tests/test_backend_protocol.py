@@ -13,8 +13,7 @@ from fake_vllm import install_fake_vllm
 from generation_helpers import peaked
 
 import SimpleTorchLLMRL
-from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
-from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 from SimpleTorchLLMRL.model.generation.hf_backend import HFBackend
 from SimpleTorchLLMRL.model.generation.sampling import Backend
 from SimpleTorchLLMRL.model.generation.vllm import VLLMBackend
@@ -47,7 +46,9 @@ def test_both_backends_define_every_member(monkeypatch, tmp_path, tok, policy):
     policy.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     vllm = install_fake_vllm(monkeypatch)
-    backends = [ModelGenerate(policy, tok).backend, ModelGenerate(vllm.LLM(str(tmp_path)), tok, temperature=1.0).backend]
+    backends = [ModelGenerate(policy,
+                              tok).backend, ModelGenerate(vllm.LLM(str(tmp_path)), tok,
+                                                          temperature=1.0).backend]
     assert [type(b) for b in backends] == [HFBackend, VLLMBackend]
     for backend in backends:
         missing = sorted(n for n in protocol_members() if not hasattr(backend, n))
@@ -82,16 +83,17 @@ def test_hf_top_logprobs_match_a_float64_reference(tok, policy):
 
 
 def test_a_gateway_over_vllm_refuses_top_logprobs_by_the_protocol(monkeypatch, tmp_path, tok, policy):
-    from SimpleTorchLLMRL.gateway.openai_format import RequestError, parse_request
+    from SimpleTorchLLMRL.gateway import chat
+    from SimpleTorchLLMRL.gateway.request import RequestError
     from SimpleTorchLLMRL.gateway.server import Gateway
 
     policy.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     gateway = Gateway(ModelGenerate(install_fake_vllm(monkeypatch).LLM(str(tmp_path)), tok, temperature=1.0))
+    assert gateway.supports_top_logprobs is False  # read from the backend's protocol attribute
     body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
-    req = parse_request(body, "policy", gateway.defaults)
-    prompt = Rollout([Message("hi", MessageType.MESSAGE)])
-    with pytest.raises(RequestError, match="top_logprobs needs the HF backend"):
-        gateway._prompt_ids(prompt, req)
-    assert gateway._prompt_ids(prompt, parse_request({**body, "top_logprobs": 0}, "policy", gateway.defaults))[0]
+    with pytest.raises(RequestError, match="top_logprobs needs the HF backend") as info:
+        chat.parse(body, gateway)
+    assert info.value.param == "top_logprobs"
+    assert chat.parse({**body, "top_logprobs": 0}, gateway).top_logprobs == 0
 

@@ -18,16 +18,22 @@ class ScriptedGenerator:
         self.batches = []
         self.context_turns = context_turns  # rollouts with this many MODEL turns no longer fit
 
-    def batch_rollout_generate_response(self, rollouts):
+    def batch_rollout_generate_response(self, rollouts, prompt_ids=None):
         self.batches.append([r.metadata["question"] for r in rollouts])
+        self.prompts = prompt_ids
         for r in rollouts:
             k = sum(m.type is MessageType.MODEL for m in r)
             r.add_messages(Message(f"turn {k}", MessageType.MODEL, token_ids=[1, 2], logprobs=[-0.5, -0.5]))
 
 
 class ContextGenerator(ScriptedGenerator):
-    def fits(self, rollout):
-        return sum(m.type is MessageType.MODEL for m in rollout) < self.context_turns
+    """Its "prompt ids": one id per MODEL turn so far; a prompt of `context_turns` of them no longer fits."""
+
+    def prompt_ids(self, rollouts):
+        return [[0] * sum(m.type is MessageType.MODEL for m in r) for r in rollouts]
+
+    def fits(self, prompt_ids):
+        return len(prompt_ids) < self.context_turns
 
 
 class CountdownEnv(Env):
@@ -129,7 +135,7 @@ def test_empty_questions():
 
 
 def test_with_the_real_generator_every_turn_keeps_the_prefix_invariant(chatml_tokenizer):
-    from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
     from SimpleTorchLLMRL.testing.tiny import tiny_model
 
     tok = chatml_tokenizer
@@ -137,10 +143,11 @@ def test_with_the_real_generator_every_turn_keeps_the_prefix_invariant(chatml_to
     prompts = {}
     real = gen.batch_rollout_generate_response
 
-    def record(rs):
-        for r in rs:
+    def record(rs, prompt_ids=None):
+        for k, r in enumerate(rs):
             prompts.setdefault(id(r), []).append(encode_prompt(r, tok))
-        real(rs)
+            assert prompt_ids is None or prompt_ids[k] == prompts[id(r)][-1]  # passed on as encoded
+        real(rs, prompt_ids=prompt_ids)
 
     gen.batch_rollout_generate_response = record
     rollouts = collect_rollouts(gen, CountdownEnv(), [2, 1], group_size=2, max_turns=3)

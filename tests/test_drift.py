@@ -7,7 +7,7 @@ import torch
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import Batch, rollouts_to_batch
-from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 from SimpleTorchLLMRL.trainer.drift import logprob_drift
 from SimpleTorchLLMRL.trainer.grpo import GRPO
 

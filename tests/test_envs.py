@@ -110,7 +110,7 @@ def test_collect_rollouts_drives_the_tool_env(chatml_tokenizer):
 @pytest.mark.slow
 def test_real_generator_smoke(chatml_tokenizer):
     """The real generator conditions on the tool schemas the env exposes (the prompt is ~600 tiny-BPE tokens)."""
-    from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
     from SimpleTorchLLMRL.testing.tiny import tiny_model
 
     env = ToolUseEnv([calculator], max_turns=2)

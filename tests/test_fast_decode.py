@@ -5,13 +5,13 @@ float32 rounding, same finish reasons; on CUDA (when present) the graph path is 
 
 import pytest
 import torch
-from generation_helpers import peaked, reference_logprobs
+from generation_helpers import make_generator, peaked, reference_logprobs
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
-from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.model.generation import fast_decode
 from SimpleTorchLLMRL.model.generation.fast_decode import DECODERS, StaticDecoder, supports_fast_decode
+from SimpleTorchLLMRL.model.generation.generator import BackendConfig, ModelGenerate
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
@@ -37,7 +37,7 @@ def both(model, tok, rollouts, n=2, device="cpu", calls=1, compile=False, **kw):
     fast decode's forward under torch.compile (its default on CUDA; off here, one test turns it on)."""
     out = {}
     for decode in ("default", "fast"):
-        gen = ModelGenerate(model.to(device), tok, seed=5, decode=decode, **kw)
+        gen = make_generator(model.to(device), tok, seed=5, decode=decode, **kw)
         gen.backend.compile_decode = compile
         out[decode] = [gen.generate(rollouts, n=n) for _ in range(calls)]
     return out["default"], out["fast"]
@@ -115,7 +115,8 @@ def qwen():
 def test_fast_logprobs_equal_a_float64_forward(qwen, device):
     model, tok = qwen
     rollouts = questions(3)
-    gen = ModelGenerate(model.to(device), tok, max_new_tokens=20, temperature=0.8, seed=1, decode="fast")
+    gen = ModelGenerate(model.to(device), tok, max_new_tokens=20, temperature=0.8, seed=1,
+                        backend=BackendConfig(decode="fast"))
     groups = gen.generate(rollouts, n=2)
     model64 = model.to("cpu").double()
     try:
@@ -143,7 +144,7 @@ def test_calls_reuse_the_decoder_and_follow_in_place_weight_updates(qwen, device
     assert_same(default2, fast2)
     assert DECODERS[model][1] is decoder  # same shape, same weight tensors: the cache (and graph) are reused
     assert [m.token_ids for g in fast2[0] for m in g] != [m.token_ids for g in fast[0] for m in g]
-    ModelGenerate(model, tok, decode="fast", **kw).sleep()
+    make_generator(model, tok, decode="fast", **kw).sleep()
     assert model not in DECODERS
 
 
@@ -185,7 +186,8 @@ def test_lora_and_per_agent_adapters(qwen):
     for agent in ("A", "B"):
         got = {}
         for decode in ("default", "fast"):
-            gen = ModelGenerate(model, tok, seed=2, decode=decode, max_new_tokens=12, temperature=1.0)
+            gen = ModelGenerate(model, tok, seed=2, max_new_tokens=12, temperature=1.0,
+                                backend=BackendConfig(decode=decode))
             got[decode] = [gen.generate(questions(2), n=2, adapter=agent)]
         assert_same(got["default"], got["fast"])
         assert DECODERS[model][0][3] == agent  # the adapter is part of the decoder's key
@@ -196,7 +198,8 @@ def test_nan_scores_raise_the_same_error(qwen):
     with torch.no_grad():
         model.get_output_embeddings().weight.fill_(float("nan"))
     for decode in ("default", "fast"):
-        gen = ModelGenerate(model, tok, seed=0, decode=decode, max_new_tokens=4, temperature=1.0)
+        gen = ModelGenerate(model, tok, seed=0, max_new_tokens=4, temperature=1.0,
+                            backend=BackendConfig(decode=decode))
         with pytest.raises(ValueError, match="cannot sample: the scores of 2 of 2 rows"):
             gen.generate(questions(1), n=2)
 
@@ -210,13 +213,13 @@ def test_models_without_a_full_attention_static_cache_are_refused_or_left_defaul
     sliding = AutoModelForCausalLM.from_config(cfg)
     assert not supports_fast_decode(sliding)
     with pytest.raises(ValueError, match="decode='fast' needs a decoder-only model whose transformers StaticCache"):
-        ModelGenerate(sliding, tok, decode="fast")
-    auto = ModelGenerate(sliding, tok, decode="auto").backend
+        ModelGenerate(sliding, tok, backend=BackendConfig(decode="fast"))
+    auto = ModelGenerate(sliding, tok, backend=BackendConfig(decode="auto")).backend
     assert not auto.uses_fast_decode(torch.device("cuda"))
     qwen_auto = ModelGenerate(tiny_model("qwen2", tok), tok).backend
     assert qwen_auto.uses_fast_decode(torch.device("cuda")) and not qwen_auto.uses_fast_decode(torch.device("cpu"))
     with pytest.raises(ValueError, match="decode must be one of"):
-        ModelGenerate(tiny_model("qwen2", tok), tok, decode="static")
+        ModelGenerate(tiny_model("qwen2", tok), tok, backend=BackendConfig(decode="static"))
 
 
 def test_multi_turn_calculator_episodes_on_the_real_tokenizer():
@@ -235,7 +238,7 @@ def test_multi_turn_calculator_episodes_on_the_real_tokenizer():
     for decode in ("default", "fast"):
         env = ToolUseEnv([calculator], custom_sys_prompt=SYSTEM_PROMPT, max_turns=2)
         gen = ModelGenerate(model, tok, max_new_tokens=40, temperature=1.0, tool_call_stop=env.stop_strings,
-                            seed=1, decode=decode)
+                            seed=1, backend=BackendConfig(decode=decode))
         got[decode] = collect_rollouts(gen, env, ["What is 645 * 49?", "What is 312 + 85?"], ["31605", "397"],
                                        group_size=2)
     turns = 0
@@ -260,7 +263,8 @@ def test_only_the_first_shapes_of_a_model_are_compiled(qwen, monkeypatch):
     stand_in = functools.partial(_decode_forward)  # counts as "compiled" without paying for a compile
     monkeypatch.setattr(fast_decode, "compiled_forward", lambda: stand_in)
     monkeypatch.setattr(fast_decode, "MAX_COMPILED_SHAPES", 1)
-    gen = ModelGenerate(model, tok, max_new_tokens=8, temperature=1.0, seed=0, decode="fast")
+    gen = ModelGenerate(model, tok, max_new_tokens=8, temperature=1.0, seed=0,
+                        backend=BackendConfig(decode="fast"))
     gen.backend.compile_decode = True
     gen.generate(questions(2))
     assert DECODERS[model][1].forward is stand_in

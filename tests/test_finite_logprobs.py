@@ -15,7 +15,7 @@ import pytest
 
 from SimpleTorchLLMRL.chat.message import LOGPROB_SLACK, Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.rollout_io import load_rollouts, save_rollouts
-from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 from SimpleTorchLLMRL.model.generation.sampling import Sample
 
 BAD = [float("-inf"), float("inf"), float("nan"), 50.0, 1e-3]

@@ -17,6 +17,8 @@ import sys
 import pytest
 import torch
 
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
+
 GROUP, GROUPS, LR = 2, 4, 0.5  # 8 rollouts in 4 groups of 2; SGD so an update is lr * grad exactly
 
 
@@ -58,9 +60,9 @@ def grpo_step(model, tokenizer, rollouts, rewards, *, beta: float, loss_type: st
 
 def generate(model, tokenizer, prompts):
     """Greedy replies: (token ids, log-probs) per prompt."""
-    from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 
-    gen = ModelGenerate(model, tokenizer, max_new_tokens=6, do_sample=False)
+    gen = ModelGenerate(model, tokenizer, sampling=SamplingConfig(max_new_tokens=6, do_sample=False))
     return [(m.token_ids, m.logprobs) for (m,) in gen.generate(prompts)]
 
 

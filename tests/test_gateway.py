@@ -14,15 +14,16 @@ openai = pytest.importorskip("openai")
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from SimpleTorchLLMRL import GRPO, ModelGenerate, collect_rollouts  # noqa: E402
+from SimpleTorchLLMRL import GRPO, collect_rollouts  # noqa: E402
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout  # noqa: E402
 from SimpleTorchLLMRL.chat.rollout_io import load_rollouts  # noqa: E402
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
-from SimpleTorchLLMRL.gateway.openai_format import reply_view  # noqa: E402
+from SimpleTorchLLMRL.gateway.chat import reply_view  # noqa: E402
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC  # noqa: E402
 from SimpleTorchLLMRL.tools.parsers import ToolCall  # noqa: E402
 from tests.gateway_helpers import calc_env, load_calc, start  # noqa: E402
+from tests.generation_helpers import make_generator as generator_of  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def env():
 def make_generator(calc, env, **kw):
     model, tok = calc
     opts = dict(max_new_tokens=40, temperature=1.0, tool_call_stop=env.stop_strings, seed=0) | kw
-    return ModelGenerate(model, tok, **opts)
+    return generator_of(model, tok, **opts)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("fastapi")
 
 from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
-from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout  # noqa: E402
+from SimpleTorchLLMRL.chat.message import Message, MessageType  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
 from SimpleTorchLLMRL.gateway.batcher import Batcher, Job  # noqa: E402
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig  # noqa: E402
@@ -25,14 +25,14 @@ class FakeGenerator:
     def __init__(self, seconds: float = 0.0):
         self.seconds, self.calls = seconds, []
 
-    def generate(self, rollouts, n, *, sampling, seed, prompt_ids=None):
-        self.calls.append(len(rollouts))
+    def generate(self, prompts, n, *, sampling, seed, watch=None):
+        self.calls.append(len(prompts))
         time.sleep(self.seconds)
-        return [[Message("ok", MessageType.MODEL)] * n for _ in rollouts]
+        return [[Message("ok", MessageType.MODEL)] * n for _ in prompts]
 
 
 def job() -> Job:
-    return Job(Rollout.from_chat(start()), SamplingConfig(), 1, None)
+    return Job([1, 2, 3], SamplingConfig(), 1, None)
 
 
 async def staggered(batcher: Batcher, count: int, gap: float, prepare: float) -> None:
@@ -41,8 +41,8 @@ async def staggered(batcher: Batcher, count: int, gap: float, prepare: float) ->
         await asyncio.sleep(k * gap)
         with batcher.expect():
             await asyncio.sleep(prepare)
-            future = batcher.enqueue(job())
-        return await future
+            queued = batcher.enqueue(job())
+        return await queued.future
 
     await asyncio.gather(*[one(k) for k in range(count)])
 
@@ -66,7 +66,7 @@ def test_requests_arriving_over_more_than_the_window_still_share_a_batch():
     window from the first arrival would cut them into several batches."""
     gen = FakeGenerator()
     batcher = run_batcher(lambda b: staggered(b, 32, 0.008, 0.015), gen, window=0.02, max_wait=1.0)
-    assert batcher.batches == [32] and gen.calls == [32]
+    assert list(batcher.batches) == [32] and gen.calls == [32]
 
 
 def test_arrivals_during_a_generation_form_the_next_batch_at_once():
@@ -84,7 +84,7 @@ def test_arrivals_during_a_generation_form_the_next_batch_at_once():
         await first
 
     batcher = run_batcher(fn, gen, window=0.2)
-    assert batcher.batches == [1, 10]
+    assert list(batcher.batches) == [1, 10]
     assert took["s"] < 0.65
 
 
@@ -125,5 +125,5 @@ def test_32_simultaneous_sessions_form_one_batch_of_32():
         for c in clients:
             c.close()
     assert codes == [200] * 32
-    assert gw.batcher.batches == [32]
+    assert list(gw.batcher.batches) == [32]
     assert len(gw.sessions()) == 32

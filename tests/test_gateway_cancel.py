@@ -13,9 +13,13 @@ pytest.importorskip("fastapi")
 
 from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.message import Rollout  # noqa: E402
-from SimpleTorchLLMRL.gateway import Gateway, streaming  # noqa: E402
+from SimpleTorchLLMRL.gateway import Gateway, batcher  # noqa: E402
 from SimpleTorchLLMRL.model.generation.fast_decode import STREAM_EVERY  # noqa: E402
-from SimpleTorchLLMRL.model.generation.watch import DecodeWatch  # noqa: E402
+from SimpleTorchLLMRL.model.generation.generator import BackendConfig
+from SimpleTorchLLMRL.model.generation.sampling import (
+    DecodeWatch,  # noqa: E402
+    SamplingConfig,
+)
 from tests.gateway_helpers import load_calc, start  # noqa: E402
 from tests.test_gateway_streaming import NEVER, StepCounter, content_of, sse_chunks  # noqa: E402
 
@@ -39,7 +43,9 @@ def every(decode: str) -> int:
 @pytest.mark.parametrize("decode", DECODES)
 def test_a_cancelled_row_stops_and_the_others_sample_the_same_ids(calc, decode):
     model, tok = calc
-    gen = ModelGenerate(model, tok, max_new_tokens=40, temperature=1.0, decode=decode, eos_token_ids=[NEVER])
+    gen = ModelGenerate(model, tok,
+                        sampling=SamplingConfig(max_new_tokens=40, temperature=1.0, eos_token_ids=[NEVER]),
+                        backend=BackendConfig(decode=decode))
     rollouts = [Rollout.from_chat(start("What is 2 + 2?")), Rollout.from_chat(start())]
     plain = [m for group in gen.generate(rollouts, 2, seed=9) for m in group]
     seen: dict[int, int] = {}
@@ -60,7 +66,9 @@ def test_a_cancelled_row_stops_and_the_others_sample_the_same_ids(calc, decode):
 @pytest.mark.parametrize("decode", DECODES)
 def test_a_call_whose_rows_are_all_cancelled_stops_within_a_few_steps(calc, decode):
     model, tok = calc
-    gen = ModelGenerate(model, tok, max_new_tokens=LONG, temperature=1.0, decode=decode, eos_token_ids=[NEVER])
+    gen = ModelGenerate(model, tok,
+                        sampling=SamplingConfig(max_new_tokens=LONG, temperature=1.0, eos_token_ids=[NEVER]),
+                        backend=BackendConfig(decode=decode))
     steps = StepCounter(model)
     flag = {"at": None}
 
@@ -81,25 +89,27 @@ def test_a_call_whose_rows_are_all_cancelled_stops_within_a_few_steps(calc, deco
 
 def long_gateway(calc, decode: str, **kw) -> Gateway:
     model, tok = calc
-    return Gateway(ModelGenerate(model, tok, max_new_tokens=LONG, temperature=1.0, seed=0, decode=decode,
-                                 eos_token_ids=[NEVER]), **kw)
+    return Gateway(ModelGenerate(model, tok, seed=0,
+                                 sampling=SamplingConfig(max_new_tokens=LONG, temperature=1.0,
+                                                         eos_token_ids=[NEVER]),
+                                 backend=BackendConfig(decode=decode)), **kw)
 
 
 BODY = {"model": "policy", "messages": [{"role": "user", "content": "Count."}], "max_tokens": LONG, "seed": 4}
 
 
 class CancelSpy:
-    """Records the model's forward count when a call's listener is cancelled (the server saw the hang-up)."""
+    """Records the model's forward count when a call's job is cancelled (the server saw the hang-up)."""
 
     def __init__(self, monkeypatch, steps: StepCounter):
         self.at: list[int] = []
-        original = streaming.Listener.cancel
+        original = batcher.Job.cancel
 
-        def cancel(listener):
+        def cancel(job):
             self.at.append(steps.count)
-            original(listener)
+            original(job)
 
-        monkeypatch.setattr(streaming.Listener, "cancel", cancel)
+        monkeypatch.setattr(batcher.Job, "cancel", cancel)
 
 
 def wait_idle(steps: StepCounter, quiet: float = 0.5, limit: float = 60) -> None:
@@ -185,7 +195,7 @@ def test_a_request_batched_with_a_hung_up_stream_gets_the_same_ids(calc, decode)
                     if hang_up and content_of(sse_chunks([line])):
                         break
             thread.join(120)
-        assert gw.batcher.batches == [2]
+        assert list(gw.batcher.batches) == [2]
         assert ("leaver" in gw.sessions()) is not hang_up
         [rollout] = gw.rollouts("stayer")
         return out["reply"], rollout[-1].token_ids

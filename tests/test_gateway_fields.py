@@ -16,11 +16,11 @@ openai = pytest.importorskip("openai")
 from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.message import MessageType  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
-from SimpleTorchLLMRL.gateway.openai_format import RequestError, parse_request  # noqa: E402
+from SimpleTorchLLMRL.gateway.request import RequestError  # noqa: E402
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig  # noqa: E402
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT  # noqa: E402
 from SimpleTorchLLMRL.tools import evaluate  # noqa: E402
-from tests.gateway_helpers import QUESTION, calc_env, load_calc, start  # noqa: E402
+from tests.gateway_helpers import QUESTION, calc_env, load_calc, parse_chat, start  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +36,8 @@ def env():
 @pytest.fixture(scope="module")
 def served(calc, env):
     model, tok = calc
-    gw = Gateway(ModelGenerate(model, tok, max_new_tokens=40, temperature=1.0, tool_call_stop=env.stop_strings,
-                               seed=0))
+    gw = Gateway(ModelGenerate(model, tok, max_new_tokens=40, temperature=1.0,
+                               tool_call_stop=env.stop_strings, seed=0))
     with gw.serve() as url:
         yield gw, url
 
@@ -174,7 +174,7 @@ def test_fields_set_to_their_defaults_change_nothing(served, env):
 
 
 def test_every_field_is_classified_once():
-    from SimpleTorchLLMRL.gateway.fields import HONOURED, NO_EFFECT, REFUSED_UNLESS_DEFAULT
+    from SimpleTorchLLMRL.gateway.chat import HONOURED, NO_EFFECT, REFUSED_UNLESS_DEFAULT
 
     assert not HONOURED & NO_EFFECT and not HONOURED & set(REFUSED_UNLESS_DEFAULT)
     assert not NO_EFFECT & set(REFUSED_UNLESS_DEFAULT)
@@ -187,21 +187,21 @@ def test_every_field_is_classified_once():
     assert sdk <= HONOURED | NO_EFFECT | set(REFUSED_UNLESS_DEFAULT)
 
 
-def test_parse_request_keeps_tools_for_auto_and_drops_them_for_none(env):
+def test_parse_keeps_tools_for_auto_and_drops_them_for_none(env):
     defaults = SamplingConfig(max_new_tokens=8)
     body = {"messages": start(), "tools": env.tools}
-    assert parse_request(body, "policy", defaults).tools == env.tools
-    req = parse_request({**body, "tool_choice": "none"}, "policy", defaults)
-    assert req.tools is None and req.tool_choice == "none"
-    assert parse_request({"messages": start(), "tool_choice": "none"}, "policy", defaults).tools is None
+    assert parse_chat(body, defaults).tools == env.tools
+    req = parse_chat({**body, "tool_choice": "none"}, defaults)
+    assert req.tools is None and req.options.tool_choice == "none"
+    assert parse_chat({"messages": start(), "tool_choice": "none"}, defaults).tools is None
     with pytest.raises(RequestError) as info:
-        parse_request({"messages": start(), "stream_options": "yes"}, "policy", defaults)
+        parse_chat({"messages": start(), "stream_options": "yes"}, defaults)
     assert info.value.param == "stream_options"
     with pytest.raises(RequestError) as info:
-        parse_request({"messages": start(), "stream": True, "stream_options": {"chunk_size": 4}}, "policy", defaults)
+        parse_chat({"messages": start(), "stream": True, "stream_options": {"chunk_size": 4}}, defaults)
     assert info.value.param == "stream_options"
     ok = {"messages": start(), "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}}
-    assert parse_request(ok, "policy", defaults).include_usage
+    assert parse_chat(ok, defaults).options.include_usage
 
 
 # ----------------------------------------------------------------------------- the Agents SDK

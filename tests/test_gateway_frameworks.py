@@ -32,7 +32,7 @@ from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.message import MessageType  # noqa: E402
 from SimpleTorchLLMRL.chat.tokenize import encode_rollout  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
-from SimpleTorchLLMRL.gateway.openai_format import reply_view  # noqa: E402
+from SimpleTorchLLMRL.gateway.chat import reply_view  # noqa: E402
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import CALCULATOR_SCHEMA, SYSTEM_PROMPT  # noqa: E402
 from SimpleTorchLLMRL.tools import CalculatorError, evaluate  # noqa: E402
 from tests.gateway_helpers import QUESTION, load_calc, start  # noqa: E402

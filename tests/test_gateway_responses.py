@@ -23,6 +23,7 @@ from SimpleTorchLLMRL.gateway.responses import (  # noqa: E402
     stream_events,
 )
 from SimpleTorchLLMRL.gateway.sessions import MAX_LINKS, SessionStore  # noqa: E402
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig  # noqa: E402
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import CALCULATOR_SCHEMA, SYSTEM_PROMPT  # noqa: E402
 from SimpleTorchLLMRL.tools import evaluate  # noqa: E402
 from tests.gateway_helpers import QUESTION, calc_env, load_calc  # noqa: E402
@@ -38,8 +39,8 @@ def calc():
 
 def make_gateway(calc, **kw) -> Gateway:
     model, tok = calc
-    generator = ModelGenerate(model, tok, max_new_tokens=40, temperature=0.0, tool_call_stop=calc_env().stop_strings,
-                              seed=0)
+    generator = ModelGenerate(model, tok, max_new_tokens=40, temperature=0.0,
+                              tool_call_stop=calc_env().stop_strings, seed=0)
     return Gateway(generator, **kw)
 
 
@@ -292,10 +293,9 @@ def test_links_go_with_their_session(calc):
 
 def test_a_session_keeps_its_latest_links_only():
     store = SessionStore()
-    from SimpleTorchLLMRL.gateway.openai_format import ChatRequest
-    from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
+    from SimpleTorchLLMRL.gateway.request import GenRequest
 
-    req = ChatRequest(chat=[{"role": "user", "content": "hi"}], tools=None, sampling=SamplingConfig())
+    req = GenRequest(SamplingConfig(), messages=[{"role": "user", "content": "hi"}])
     session, plan = store.open("k", req)
     store.record(session, plan, [], [])
     store.release(session)

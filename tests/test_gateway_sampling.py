@@ -21,6 +21,7 @@ openai = pytest.importorskip("openai")
 from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.message import MessageType, Rollout  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
+from SimpleTorchLLMRL.model.generation.generator import BackendConfig  # noqa: E402
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig  # noqa: E402
 from SimpleTorchLLMRL.tools.parsers import JsonToolCallParser  # noqa: E402
 from tests.gateway_helpers import calc_env, load_calc, start  # noqa: E402
@@ -104,7 +105,7 @@ def test_a_per_call_generate_in_flight_leaves_the_defaults_to_other_threads(calc
     """The race of issue 35: while one thread's generate(sampling=...) runs, another thread that reads
     the generator's settings or generates with them gets the defaults, not that call's settings."""
     model, tok = calc
-    gen = ModelGenerate(model, tok, seed=0, decode="default", **DEFAULTS)
+    gen = ModelGenerate(model, tok, seed=0, **DEFAULTS, backend=BackendConfig(decode="default"))
     gate.armed = True
     thread, box = in_thread(gen.generate, [rollout()], sampling=UNUSUAL)
     assert gate.entered.wait(60), "the per-call generate never reached the model"
@@ -122,7 +123,7 @@ def test_a_per_call_generate_in_flight_leaves_the_defaults_to_other_threads(calc
 @pytest.mark.parametrize("decode", ["default", "fast"])
 def test_per_call_settings_reach_both_hf_decode_loops_and_only_that_call(calc, decode):
     model, tok = calc
-    gen = ModelGenerate(model, tok, seed=0, decode=decode, **DEFAULTS)
+    gen = ModelGenerate(model, tok, seed=0, **DEFAULTS, backend=BackendConfig(decode=decode))
     eos = gen.config.eos_token_ids
     [[one]] = gen.generate([rollout()], sampling=SamplingConfig(max_new_tokens=3, temperature=1.9))
     assert one.temperature == 1.9 and len(one.token_ids) <= 3 and one.finish_reason in ("length", "stop")
@@ -140,20 +141,21 @@ def test_per_call_settings_reach_both_hf_decode_loops_and_only_that_call(calc, d
 
 def test_the_backend_takes_the_calls_settings_as_an_argument(calc):
     model, tok = calc
-    gen = ModelGenerate(model, tok, seed=0, decode="default", **DEFAULTS)
+    gen = ModelGenerate(model, tok, seed=0, **DEFAULTS, backend=BackendConfig(decode="default"))
     prompt = gen.prompt_ids([rollout()])
     call = dataclasses.replace(UNUSUAL, eos_token_ids=gen.config.eos_token_ids)
-    [[sample]] = gen.backend.generate(prompt, 1, 0, sampling=call)
+    [[sample]] = gen.backend.generate(prompt, 1, [0], sampling=call)
     assert len(sample.token_ids) <= 3 and gen.backend.logprob_temperature_for(call) == 1.9
     with pytest.raises(TypeError, match="sampling must be a SamplingConfig"):
-        gen.backend.generate(prompt, 1, 0, sampling={"temperature": 1.9})
+        gen.backend.generate(prompt, 1, [0], sampling={"temperature": 1.9})
 
 
 def test_a_request_parsed_while_another_generates_gets_the_gateways_defaults(calc, gate):
     """Over HTTP: request A (temperature 1.9, 3 tokens, a stop string) is held inside the model while
     request B, which sets nothing, arrives and is parsed; B must be sampled with the defaults."""
     model, tok = calc
-    gw = Gateway(ModelGenerate(model, tok, seed=0, decode="default", **DEFAULTS), window=0.01)
+    gw = Gateway(ModelGenerate(model, tok, seed=0, **DEFAULTS,
+                               backend=BackendConfig(decode="default")), window=0.01)
     with gw.serve() as url:
         def post(key: str, **body):
             r = httpx.post(f"{url}/chat/completions", json={"model": "policy", "messages": start(), **body},
@@ -189,7 +191,8 @@ def test_a_request_with_min_p_is_sampled_and_recorded_with_it(calc):
     from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 
     model, tok = calc
-    gw = Gateway(ModelGenerate(model, tok, seed=0, decode="default", **DEFAULTS), window=0.01)
+    gw = Gateway(ModelGenerate(model, tok, seed=0, **DEFAULTS,
+                               backend=BackendConfig(decode="default")), window=0.01)
     with gw.serve() as url:
         client = openai.OpenAI(base_url=url, api_key="minp", max_retries=0, timeout=120)
         client.chat.completions.create(model="policy", messages=start(), temperature=1.0, max_tokens=12,
@@ -233,7 +236,8 @@ class RejectingParser:
 
 def make_gateway(calc, env, **kw) -> Gateway:
     model, tok = calc
-    gen = ModelGenerate(model, tok, max_new_tokens=40, temperature=1.0, tool_call_stop=env.stop_strings, seed=0)
+    gen = ModelGenerate(model, tok, max_new_tokens=40, temperature=1.0, tool_call_stop=env.stop_strings,
+                        seed=0)
     return Gateway(gen, **kw)
 
 
@@ -294,14 +298,18 @@ def test_a_tool_call_that_does_not_parse_finishes_with_stop(calc, env):
         assert "<tool_call>" in text and calls == [] and finish == ["stop"]
 
 
-def test_finish_reason_maps_the_generators_reasons():
-    from SimpleTorchLLMRL.gateway.openai_format import finish_reason
+def test_finish_reason_maps_the_generators_reasons(env):
+    from SimpleTorchLLMRL.chat.message import Message, MessageType
+    from SimpleTorchLLMRL.gateway.chat import reply_choice
+    from tests.gateway_helpers import parse_chat
 
-    call = [{"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": "{}"}}]
-    assert finish_reason("tool_call", call) == "tool_calls"
-    assert finish_reason("tool_call", []) == "stop"
-    assert (finish_reason("stop", []), finish_reason("length", []), finish_reason(None, [])) == ("stop", "length",
-                                                                                                   "stop")
-    with pytest.raises(ValueError, match="unknown finish_reason 'tool_calls'"):
-        finish_reason("tool_calls", [])
+    def finish(reason, text="x", tools=None):
+        req = parse_chat({"messages": start(), **({"tools": tools} if tools else {})})
+        return reply_choice(0, Message(text, MessageType.MODEL, finish_reason=reason), req, None).finish_reason
+
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1"}}\n</tool_call>'
+    assert finish("tool_call", call, env.tools) == "tool_calls"
+    assert finish("tool_call", call) == "stop"  # no tools offered: no call shown
+    assert (finish("stop"), finish("length"), finish(None)) == ("stop", "length", "stop")
+    assert finish("length", call + "\n<tool_", env.tools) == "length"  # cut while writing a second call
 

@@ -11,12 +11,12 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 
-from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.message import MessageType  # noqa: E402
 from SimpleTorchLLMRL.chat.rollout_io import load_rollouts  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC  # noqa: E402
 from tests.gateway_helpers import load_calc, start  # noqa: E402
+from tests.generation_helpers import make_generator as generator_of  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def calc():
 
 def make_generator(calc, **kw):
     model, tok = calc
-    return ModelGenerate(model, tok, **(dict(max_new_tokens=12, temperature=1.0, seed=0) | kw))
+    return generator_of(model, tok, **(dict(max_new_tokens=12, temperature=1.0, seed=0) | kw))
 
 
 def ask(client, messages, **kw):
@@ -154,8 +154,8 @@ def test_an_idle_session_is_finished_after_the_ttl_with_no_further_calls(calc, t
     with gw.serve() as url:
         r = ask(openai.OpenAI(base_url=url, api_key="sweep"), start("What is 2 + 2?"))
         deadline = time.monotonic() + 10
-        while len(gw.store) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while (len(gw.store) or not path.exists() or not load_rollouts(path)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the session leaves the store, then its rollouts reach the file (the sweeper's thread)
         assert len(gw.store) == 0 and gw.sessions() == []
         [saved] = load_rollouts(path)
         assert sampled(saved) == (ids(r),)

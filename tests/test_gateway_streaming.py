@@ -13,11 +13,14 @@ pytest.importorskip("fastapi")
 from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.message import MessageType, Rollout  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
-from SimpleTorchLLMRL.gateway.openai_format import reply_view  # noqa: E402
-from SimpleTorchLLMRL.gateway.streaming import RowText, held_suffix, tool_openings  # noqa: E402
+from SimpleTorchLLMRL.gateway.chat import held_suffix, reply_view, tool_openings  # noqa: E402
+from SimpleTorchLLMRL.gateway.streaming import RowText  # noqa: E402
 from SimpleTorchLLMRL.model.generation.fast_decode import STREAM_EVERY  # noqa: E402
-from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig  # noqa: E402
-from SimpleTorchLLMRL.model.generation.watch import DecodeWatch  # noqa: E402
+from SimpleTorchLLMRL.model.generation.generator import BackendConfig
+from SimpleTorchLLMRL.model.generation.sampling import (
+    DecodeWatch,  # noqa: E402
+    SamplingConfig,  # noqa: E402
+)
 from SimpleTorchLLMRL.tools.parsers import JsonToolCallParser  # noqa: E402
 from tests.gateway_helpers import calc_env, load_calc, start  # noqa: E402
 
@@ -62,7 +65,9 @@ class StepCounter:
 @pytest.mark.parametrize("decode", DECODES)
 def test_the_watch_gets_each_rows_ids_while_it_samples_and_they_are_the_recorded_ones(calc, decode):
     model, tok = calc
-    gen = ModelGenerate(model, tok, max_new_tokens=24, temperature=1.0, decode=decode, eos_token_ids=[NEVER])
+    gen = ModelGenerate(model, tok,
+                        sampling=SamplingConfig(max_new_tokens=24, temperature=1.0, eos_token_ids=[NEVER]),
+                        backend=BackendConfig(decode=decode))
     rollouts = [Rollout.from_chat(start("What is 2 + 2?")), Rollout.from_chat(start())]
     seen: dict[int, list[int]] = {}
     deliveries: list[int] = []  # the forward count at each delivery
@@ -168,8 +173,10 @@ def test_reply_view_shows_each_call_as_to_openai_gives_it_with_json_arguments():
 def gateway(calc, env, decode: str, eos=None, **kw) -> Gateway:
     """eos: the EOS ids (e.g. [NEVER]: without them and without the tool-call stop, replies run to max_tokens)."""
     model, tok = calc
-    gen = ModelGenerate(model, tok, max_new_tokens=40, temperature=1.0, seed=0, decode=decode, eos_token_ids=eos,
-                        tool_call_stop=env.stop_strings if eos is None else None)
+    gen = ModelGenerate(model, tok, seed=0,
+                        sampling=SamplingConfig(max_new_tokens=40, temperature=1.0, eos_token_ids=eos,
+                                                tool_call_stop=env.stop_strings if eos is None else None),
+                        backend=BackendConfig(decode=decode))
     return Gateway(gen, **kw)
 
 
@@ -287,27 +294,31 @@ def test_a_streamed_call_records_exactly_what_the_same_call_records_unstreamed(c
 
 
 def test_the_stream_is_a_reusable_iterator_of_text_deltas(calc, env):
-    """`Gateway.reply_events` (what the chat stream is made of) used directly: deltas, then the recorded result."""
+    """`Gateway.events` (the pipeline, what the chat stream is made of) used directly: deltas, then the
+    recorded result."""
     import asyncio
 
-    from SimpleTorchLLMRL.gateway.openai_format import parse_request
-    from SimpleTorchLLMRL.gateway.streaming import Finished, Started, TextDelta
+    from SimpleTorchLLMRL.gateway import chat
+    from SimpleTorchLLMRL.gateway.request import Finished, Started
+    from SimpleTorchLLMRL.gateway.streaming import Listener, TextDelta
 
     gw = gateway(calc, env, "default")
-    req = parse_request({"messages": start(), "stream": True, "max_tokens": 30, "seed": 2}, "policy", gw.defaults)
+    req = chat.parse({"messages": start(), "stream": True, "max_tokens": 30, "seed": 2}, gw)
 
     async def run():
         gw.batcher.start()
         try:
-            return [e async for e in gw.reply_events("direct", req, explicit=False)]
+            listener = Listener.of(req, gw.tokenizer, gw.tool_parsers)
+            return [e async for e in gw.events(req, ("direct", False), listener)]
         finally:
             await gw.batcher.stop()
 
     events = asyncio.run(run())
     assert isinstance(events[0], Started) and isinstance(events[-1], Finished)
     deltas = [e.text for e in events if isinstance(e, TextDelta)]
-    assert len(deltas) > 1 and "".join(deltas) == events[-1].replies[0].content
-    assert model_turns(gw, "direct")[0].token_ids == events[-1].replies[0].token_ids
+    [choice] = events[-1].result.choices
+    assert len(deltas) > 1 and "".join(deltas) == choice.content == choice.message.content
+    assert model_turns(gw, "direct")[0].token_ids == choice.message.token_ids
 
 
 def test_a_stream_over_the_vllm_backend_comes_token_by_token(monkeypatch, tmp_path):
@@ -324,7 +335,9 @@ def test_a_stream_over_the_vllm_backend_comes_token_by_token(monkeypatch, tmp_pa
     tiny_model("qwen2", tok).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     llm = vllm.LLM(str(tmp_path), seed=0)
-    gw = Gateway(ModelGenerate(llm, tok, max_new_tokens=12, temperature=1.0, seed=0, eos_token_ids=[NEVER]))
+    gw = Gateway(ModelGenerate(llm, tok, seed=0,
+                               sampling=SamplingConfig(max_new_tokens=12, temperature=1.0,
+                                                       eos_token_ids=[NEVER])))
     with gw.serve() as url:
         steps = EngineSteps(llm, hold_at=6)
         try:

@@ -19,8 +19,8 @@ from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.chat.message import MessageType  # noqa: E402
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
-from SimpleTorchLLMRL.gateway.fields import FieldError  # noqa: E402
-from SimpleTorchLLMRL.gateway.structured import reply_grammar  # noqa: E402
+from SimpleTorchLLMRL.gateway.request import RequestError  # noqa: E402
+from SimpleTorchLLMRL.gateway.structured import build_grammar, grammar_spec  # noqa: E402
 from SimpleTorchLLMRL.tools.parsers import TagToolCallParser, format_json_call  # noqa: E402
 from tests.gateway_helpers import calc_env, load_calc, start  # noqa: E402
 
@@ -50,8 +50,8 @@ def env():
 @pytest.fixture(scope="module")
 def served(calc, env):
     model, tok = calc
-    gw = Gateway(ModelGenerate(model, tok, max_new_tokens=60, temperature=1.0, tool_call_stop=env.stop_strings,
-                               seed=0))
+    gw = Gateway(ModelGenerate(model, tok, max_new_tokens=60, temperature=1.0,
+                               tool_call_stop=env.stop_strings, seed=0))
     with gw.serve(host="127.0.0.1", port=0) as url:
         yield gw, url
 
@@ -145,6 +145,12 @@ def test_required_always_calls_an_offered_tool(served, env):
         assert {t.function.name for t in c.message.tool_calls} <= {"calculator", "note"}
 
 
+def reply_grammar(*args) -> str | None:
+    """The EBNF a request's fields ask for (`grammar_spec`, then `build_grammar`), None when none."""
+    spec = grammar_spec(*args)
+    return None if spec is None else build_grammar(spec.field, spec.key)
+
+
 def test_auto_without_parallel_calls_allows_text_then_at_most_one_call():
     tools = [NOTE]
     grammar = reply_grammar(None, tools, "auto", None, False, None)
@@ -168,14 +174,15 @@ def test_auto_without_parallel_calls_allows_text_then_at_most_one_call():
 
 def test_a_tool_format_that_cannot_be_forced_is_a_400_naming_tool_choice(calc, env):
     model, tok = calc
-    gw = Gateway(ModelGenerate(model, tok, max_new_tokens=8), tool_parsers=[TagToolCallParser(["calculator"])])
+    gw = Gateway(ModelGenerate(model, tok,
+                               max_new_tokens=8), tool_parsers=[TagToolCallParser(["calculator"])])
     with gw.serve() as url:
         for kw, field in [({"tool_choice": "required"}, "tool_choice"),
                           ({"parallel_tool_calls": False}, "parallel_tool_calls")]:
             with pytest.raises(openai.BadRequestError) as info:
                 client(url, "tags").chat.completions.create(model="policy", messages=start(), tools=env.tools, **kw)
             assert info.value.param == field and "TagToolCallParser" in info.value.message
-    with pytest.raises(FieldError, match="cannot both hold"):
+    with pytest.raises(RequestError, match="cannot both hold"):
         reply_grammar({"type": "json_object"}, env.tools, "required", None, True, None)
 
 

@@ -22,6 +22,7 @@ from gateway_helpers import load_calc, start  # noqa: E402
 
 from SimpleTorchLLMRL import ModelGenerate  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig  # noqa: E402
 
 EOS = 2  # <|im_end|> of the embedded model
 NO_TOOL_CALL = {"30": -100}  # "<": greedy then answers \boxed{...} instead of opening a tool call
@@ -31,7 +32,8 @@ NO_TOOL_CALL = {"30": -100}  # "<": greedy then answers \boxed{...} instead of o
 def served():
     """One gateway over the embedded calculator model for the module: (gateway, url)."""
     model, tok = load_calc()
-    gen = ModelGenerate(model, tok, max_new_tokens=40, temperature=1.0, tool_call_stop=["</tool_call>"], seed=0)
+    gen = ModelGenerate(model, tok, max_new_tokens=40, temperature=1.0, tool_call_stop=["</tool_call>"],
+                        seed=0)
     gw = Gateway(gen)
     with gw.serve(host="127.0.0.1", port=0) as url:
         yield gw, url
@@ -58,7 +60,7 @@ def post_then_hang_up(url: str, path: str, body: dict, generating: threading.Eve
 def test_a_completions_client_that_hangs_up_stops_its_rows(served, monkeypatch, stream):
     gw, url = served
     generating, returned, lengths = threading.Event(), threading.Event(), []
-    real = gw.generator.generate_from_ids
+    real = gw.generator.generate
 
     def watched(*args, **kwargs):
         generating.set()
@@ -67,7 +69,7 @@ def test_a_completions_client_that_hangs_up_stops_its_rows(served, monkeypatch, 
         returned.set()
         return out
 
-    monkeypatch.setattr(gw.generator, "generate_from_ids", watched)
+    monkeypatch.setattr(gw.generator, "generate", watched)
     long = {"model": "policy", "prompt": "1 + 1 =", "max_tokens": 600, "logit_bias": {str(EOS): -100},
             "stream": stream}  # EOS banned, no stop string: only a cancel ends it before 600 tokens
     post_then_hang_up(url, "/completions", long, generating)
@@ -135,7 +137,8 @@ def test_a_left_out_max_tokens_shrinks_to_the_context_the_prompt_leaves():
 
     model, tok = load_calc()
     ctx = model.config.max_position_embeddings
-    gen = ModelGenerate(model, tok, max_new_tokens=512, temperature=1.0, seed=0, eos_token_ids=[10**6])
+    gen = ModelGenerate(model, tok, seed=0,
+                        sampling=SamplingConfig(max_new_tokens=512, temperature=1.0, eos_token_ids=[10**6]))
     question = "Add the numbers: " + " + ".join(str(i % 10) for i in range(300))
     messages = [{"role": "user", "content": question}]
     prompt_len = len(encode_prompt(Rollout.from_chat(messages), tok))

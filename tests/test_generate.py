@@ -6,7 +6,7 @@ from generation_helpers import peaked, reference_logprobs
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout
-from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.generation.generator import BackendConfig, ModelGenerate, extend_groups
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig, cut_sample, default_eos_ids
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
@@ -44,7 +44,8 @@ def test_sampled_logprobs_match_a_fresh_forward(model, tok, temperature):
 
 
 def test_logprobs_are_of_the_top_k_top_p_distribution(model, tok):
-    gen = ModelGenerate(model, tok, max_new_tokens=10, temperature=0.8, top_k=5, top_p=0.9, seed=1)
+    gen = ModelGenerate(model, tok, seed=1,
+                        sampling=SamplingConfig(max_new_tokens=10, temperature=0.8, top_k=5, top_p=0.9))
     r = questions(1)[0]
     msg = gen.rollout_generate_response(r)
     full = reference_logprobs(model, encode_prompt(r, tok), msg.token_ids, 0.8)  # the untruncated distribution
@@ -66,7 +67,9 @@ def test_logprobs_are_of_the_top_k_top_p_distribution(model, tok):
 
 def test_greedy_records_logprobs_at_configured_temperature(model, tok):
     r = questions(1)[0]
-    msg = ModelGenerate(model, tok, max_new_tokens=6, temperature=0.5, do_sample=False).rollout_generate_response(r)
+    msg = ModelGenerate(model, tok,
+                        sampling=SamplingConfig(max_new_tokens=6, temperature=0.5,
+                                                do_sample=False)).rollout_generate_response(r)
     assert msg.temperature == 0.5
     ref = reference_logprobs(model, encode_prompt(r, tok), msg.token_ids, 0.5)
     torch.testing.assert_close(torch.tensor(msg.logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
@@ -75,7 +78,9 @@ def test_greedy_records_logprobs_at_configured_temperature(model, tok):
 
 
 def greedy_ids(model, tok, r, n=12):
-    return ModelGenerate(model, tok, max_new_tokens=n, do_sample=False).rollout_generate_response(r).token_ids
+    return ModelGenerate(model, tok,
+                         sampling=SamplingConfig(max_new_tokens=n,
+                                                 do_sample=False)).rollout_generate_response(r).token_ids
 
 
 def test_eos_cuts_and_is_kept(model, tok):
@@ -83,9 +88,13 @@ def test_eos_cuts_and_is_kept(model, tok):
     full = greedy_ids(model, tok, r)
     eos = full[4]
     k = full.index(eos)
-    msg = ModelGenerate(model, tok, max_new_tokens=12, do_sample=False, eos_token_ids=[eos]).rollout_generate_response(r)
+    msg = ModelGenerate(model, tok,
+                        sampling=SamplingConfig(max_new_tokens=12, do_sample=False,
+                                                eos_token_ids=[eos])).rollout_generate_response(r)
     assert msg.token_ids == full[: k + 1] and msg.finish_reason == "stop"
-    long = ModelGenerate(model, tok, max_new_tokens=12, do_sample=False).rollout_generate_response(r)
+    long = ModelGenerate(model, tok,
+                         sampling=SamplingConfig(max_new_tokens=12,
+                                                 do_sample=False)).rollout_generate_response(r)
     assert long.finish_reason == "length" and len(long.token_ids) == 12
 
 
@@ -108,14 +117,16 @@ def test_stop_string_cuts_text_and_ids_and_stops_the_batch_early(model, tok):
 
     model.generate = spy
     try:
-        gen = ModelGenerate(model, tok, max_new_tokens=16, do_sample=False, stop=[stop])
+        gen = ModelGenerate(model, tok,
+                            sampling=SamplingConfig(max_new_tokens=16, do_sample=False, stop=[stop]))
         msg = gen.rollout_generate_response(r)
     finally:
         del model.generate
     assert msg.token_ids == full[: first + 1] and msg.finish_reason == "stop"
     assert msg.content.endswith(stop) and msg.content.count(stop) == 1
     assert calls == [first + 1]  # the StoppingCriteria ended generation there, not at max_new_tokens
-    tool = ModelGenerate(model, tok, max_new_tokens=16, do_sample=False, tool_call_stop=[stop])
+    tool = ModelGenerate(model, tok,
+                         sampling=SamplingConfig(max_new_tokens=16, do_sample=False, tool_call_stop=[stop]))
     assert tool.rollout_generate_response(r).finish_reason == "tool_call"
 
 
@@ -131,7 +142,8 @@ def test_batch_with_pads_keeps_no_pad_after_the_end(model, tok):
     rollouts = questions(4)
     fulls = [greedy_ids(model, tok, r) for r in rollouts]
     eos = fulls[0][2]
-    gen = ModelGenerate(model, tok, max_new_tokens=12, do_sample=False, eos_token_ids=[eos])
+    gen = ModelGenerate(model, tok,
+                        sampling=SamplingConfig(max_new_tokens=12, do_sample=False, eos_token_ids=[eos]))
     for full, (msg,) in zip(fulls, gen.generate(rollouts), strict=True):
         end = full.index(eos) + 1 if eos in full else len(full)
         assert msg.token_ids == full[:end]
@@ -176,13 +188,16 @@ def test_prompt_plus_sampled_ids_prefix_encode_rollout_multi_turn(style):
 
 def test_batch_equals_one_at_a_time_under_greedy(model, tok):
     rollouts = questions(4)
-    gen = ModelGenerate(model, tok, max_new_tokens=10, do_sample=False, stop=["ction"])
+    gen = ModelGenerate(model, tok,
+                        sampling=SamplingConfig(max_new_tokens=10, do_sample=False, stop=["ction"]))
     batch = gen.generate(rollouts)
     for r, (b,) in zip(rollouts, batch, strict=True):
         one = gen.rollout_generate_response(r)
         assert b.token_ids == one.token_ids and b.finish_reason == one.finish_reason and b.content == one.content
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(one.logprobs), atol=1e-4, rtol=0)
-    small = ModelGenerate(model, tok, max_new_tokens=10, do_sample=False, stop=["ction"], batch_size=2)
+    small = ModelGenerate(model, tok,
+                          sampling=SamplingConfig(max_new_tokens=10, do_sample=False, stop=["ction"]),
+                          backend=BackendConfig(batch_size=2))
     assert [g[0].token_ids for g in small.generate(rollouts)] == [g[0].token_ids for g in batch]
 
 
@@ -223,7 +238,7 @@ def test_group_forms(model, tok):
     gen = ModelGenerate(model, tok, max_new_tokens=5, temperature=1.0, seed=0)
     groups = gen.generate(rollouts, n=3)
     assert [len(g) for g in groups] == [3, 3]
-    copies = gen.group_rollout_generate_response(rollouts, n=3)
+    copies = extend_groups(rollouts, gen.generate(rollouts, n=3))
     assert len(copies) == 6 and [c.metadata["group_id"] for c in copies] == [0, 0, 0, 1, 1, 1]
     assert all(len(c) == 3 and c[-1].type is MessageType.MODEL for c in copies)
     assert all(len(r) == 2 for r in rollouts)  # originals untouched
@@ -245,21 +260,47 @@ def test_empty_list_returns_without_touching_the_model(model, tok):
 
 @pytest.mark.parametrize("kwargs, word", [
     (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=-3), "max_new_tokens"),
-    (dict(temperature=-0.1), "temperature"), (dict(backend="tpu"), "backend"), (dict(top_p=0.0), "top_p"),
-    (dict(top_k=-1), "top_k"), (dict(stop=[""]), "stop"), (dict(eos_token_ids=[]), "eos_token_ids"),
+    (dict(temperature=-0.1), "temperature"), (dict(backend="tpu"), "backend"), (dict(seed=-1), "seed"),
+    (dict(backend=lambda: BackendConfig(decode="slow")), "decode"),
+    (dict(backend=lambda: BackendConfig(batch_size=0)), "batch_size"),
+    (dict(sampling=lambda: SamplingConfig(top_p=0.0)), "top_p"), (dict(sampling=lambda: SamplingConfig(top_k=-1)), "top_k"),
+    (dict(sampling=lambda: SamplingConfig(stop=[""])), "stop"),
 ])
 def test_bad_config_raises_value_error(model, tok, kwargs, word):
     with pytest.raises(ValueError, match=word):
-        ModelGenerate(model, tok, **kwargs)
+        ModelGenerate(model, tok, **{k: v() if callable(v) else v for k, v in kwargs.items()})
+
+
+def test_the_constructor_takes_at_most_eight_parameters():
+    import inspect
+
+    params = [p for p in inspect.signature(ModelGenerate.__init__).parameters if p != "self"]
+    assert params == ["model", "tokenizer", "max_new_tokens", "temperature", "tool_call_stop", "sampling", "backend",
+                      "seed"]
+
+
+def test_one_entry_point_and_the_seed_api(model, tok):
+    """`generate` is the one way to sample; the seed's two calls run through it, and the old ones are gone."""
+    public = {n for n in dir(ModelGenerate) if not n.startswith("_") and callable(getattr(ModelGenerate, n))}
+    assert public == {"generate", "rollout_generate_response", "batch_rollout_generate_response", "prompt_ids",
+                      "fits", "push_weights", "sleep", "wake_up"}
+    gen = ModelGenerate(model=model, tokenizer=tok, max_new_tokens=6, temperature=0.7)  # the seed's spelling
+    r = questions(1)[0]
+    msg = gen.rollout_generate_response(r)
+    assert msg.type is MessageType.MODEL and msg.token_ids and len(r) == 2
+    rs = questions(2)
+    gen.batch_rollout_generate_response(rs)
+    assert [len(x) for x in rs] == [3, 3] and all(x[-1].type is MessageType.MODEL for x in rs)
 
 
 def test_prompt_over_context_names_the_rollout(tok):
     m = tiny_model("qwen2", tok, max_position_embeddings=64)
     gen = ModelGenerate(m, tok, max_new_tokens=16)
     rollouts = [Rollout([Message("hi")]), Rollout([Message("The quick brown fox jumps over the lazy dog. " * 4)])]
-    with pytest.raises(ValueError, match="rollout 1"):
+    with pytest.raises(ValueError, match="prompt 1"):
         gen.generate(rollouts)
-    assert gen.fits(rollouts[0]) and not gen.fits(rollouts[1])
+    ids = gen.prompt_ids(rollouts)
+    assert gen.fits(ids[0]) and not gen.fits(ids[1])
     with pytest.raises(ValueError, match="empty prompt"):
         ModelGenerate(m, tiny_tokenizer("plain"), max_new_tokens=4).generate([Rollout()])
 
@@ -267,7 +308,7 @@ def test_prompt_over_context_names_the_rollout(tok):
 def test_unseeded_calls_draw_fresh_samples_from_the_global_rng(chatml_tokenizer):
     """Without a seed, two calls on the same prompt must not replay the same RNG stream."""
     from SimpleTorchLLMRL.chat.message import Message, Rollout
-    from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
     from SimpleTorchLLMRL.testing.tiny import tiny_model
 
     model = tiny_model("qwen2", chatml_tokenizer)
@@ -281,44 +322,49 @@ def test_unseeded_calls_draw_fresh_samples_from_the_global_rng(chatml_tokenizer)
     assert [m[0].token_ids for m in gen.generate(rollouts)] == first  # the global seed still governs them
 
 
-def test_sampling_options_as_one_object_and_deprecated_spellings(qwen2_model, chatml_tokenizer):
-    import warnings
-
-    import SimpleTorchLLMRL.model.generate as G
-    from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
-
+def test_sampling_options_as_one_object(qwen2_model, chatml_tokenizer):
     cfg = SamplingConfig(max_new_tokens=5, temperature=0.9, stop=("x",))
     a = ModelGenerate(qwen2_model, chatml_tokenizer, sampling=cfg, seed=3)
-    b = ModelGenerate(qwen2_model, chatml_tokenizer, max_new_tokens=5, temperature=0.9, stop=["x"], seed=3)
+    b = ModelGenerate(qwen2_model, chatml_tokenizer, max_new_tokens=5, temperature=0.9, seed=3,
+                      sampling=None)
     r = Rollout([Message("hello there")])
-    assert [m.token_ids for m in a.generate([r], n=3)[0]] == [m.token_ids for m in b.generate([r], n=3)[0]]
+    assert a.config.stop == ("x",) and cfg.eos_token_ids == ()  # the caller's object is not filled in
+    assert [m.token_ids for m in a.generate([r], n=3)[0]] != [] and b.config.stop == ()
     with pytest.raises(ValueError, match=r"sampling= and also \['temperature'\]"):
         ModelGenerate(qwen2_model, chatml_tokenizer, temperature=0.5, sampling=cfg)
-    G._WARNED.clear()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        a.group_generate([r], n=1)
-        a.group_generate([r], n=1)
-        a.responses([r])
-    assert [str(w.message).split(" is ")[0] for w in caught] == ["ModelGenerate.group_generate",
-                                                                 "ModelGenerate.responses"]
-    assert all(w.category is DeprecationWarning and w.filename == __file__ for w in caught)
 
 
-def test_a_later_turn_prompt_is_encoded_once(qwen2_model, chatml_tokenizer, monkeypatch):
-    import SimpleTorchLLMRL.model.generate as G
+def test_prompt_ids_are_passed_explicitly_and_encoded_once(qwen2_model, chatml_tokenizer, monkeypatch):
+    """`generate(rollouts, prompt_ids=...)` samples from the ids given (nothing is looked up by identity);
+    without them each prompt is encoded once per call."""
+    import SimpleTorchLLMRL.model.generation.generator as G
 
     calls = []
     real = G.encode_prompt
     monkeypatch.setattr(G, "encode_prompt", lambda r, tok: calls.append(id(r)) or real(r, tok))
     gen = ModelGenerate(qwen2_model, chatml_tokenizer, max_new_tokens=3, seed=0)
     rs = [Rollout([Message(f"question {i}")]) for i in range(3)]
-    assert all(gen.fits(r) for r in rs)
-    gen.batch_rollout_generate_response(rs)
-    assert sorted(calls) == sorted(id(r) for r in rs)  # fits encoded each once; generate reused them
+    ids = gen.prompt_ids(rs)
     calls.clear()
-    rs[0].add_messages(Message("more", MessageType.TOOL))  # changed after fits: encoded again
-    assert gen.fits(rs[0])
-    rs[0].add_messages(Message("and more", MessageType.MESSAGE))
-    gen.batch_rollout_generate_response(rs[:1])
-    assert calls == [id(rs[0]), id(rs[0])]
+    with_ids = gen.generate(rs, prompt_ids=ids, seed=4)
+    assert calls == []  # the ids given, not encoded again
+    assert [m.token_ids for g in with_ids for m in g] == [m.token_ids for g in gen.generate(rs, seed=4) for m in g]
+    assert sorted(calls) == sorted(id(r) for r in rs)
+    as_ids = gen.generate(ids, seed=4)  # token-id prompts: sampled from as they are
+    assert [m.token_ids for g in as_ids for m in g] == [m.token_ids for g in with_ids for m in g]
+    with pytest.raises(ValueError, match="prompt_ids has 2 prompts for 3"):
+        gen.generate(rs, prompt_ids=ids[:2])
+    with pytest.raises(TypeError, match="prompt 0 is a str"):
+        gen.generate(["hello"])
+
+
+def test_a_seeded_prompt_samples_the_same_alone_or_batched(qwen2_model, chatml_tokenizer):
+    """Per-row streams: a prompt's samples under its seed do not depend on what else is in the call (HF loop)."""
+    gen = ModelGenerate(qwen2_model, chatml_tokenizer, max_new_tokens=12, temperature=1.0)
+    r = Rollout([Message("hello there")])
+    others = [Rollout([Message("a much longer question that pads the batch " * 3)]), Rollout([Message("hi")])]
+    alone = [m.token_ids for m in gen.generate([r], n=2, seed=11)[0]]
+    batched = gen.generate([others[0], r, others[1], r], n=2, seed=[None, 11, 5, 11])
+    assert [m.token_ids for m in batched[1]] == alone and [m.token_ids for m in batched[3]] == alone
+    assert alone[0] != alone[1]  # sample j has its own stream
+    assert [m.token_ids for m in batched[2]] != alone

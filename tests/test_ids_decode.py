@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from SimpleTorchLLMRL.chat.ids_text import check_ids_decode
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import as_sampled, encode_rollout, rollouts_to_batch
-from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 
 

@@ -249,7 +249,7 @@ def test_utils_imports_no_library_package():
 @pytest.mark.parametrize("module,line,problem", [
     ("utils/checkpoint.py", "from SimpleTorchLLMRL.model.lora import is_peft_model",
      "utils imports model, above it"),
-    ("model/generate.py", "    from SimpleTorchLLMRL.trainer.grpo import GRPO  # lazily",
+    ("model/generation/generator.py", "    from SimpleTorchLLMRL.trainer.grpo import GRPO  # lazily",
      "model imports trainer, above it"),
     ("tools/base.py", "from SimpleTorchLLMRL.reward.boxed import BoxedReward", "tools imports reward, on its own line"),
     ("chat/message.py", "from SimpleTorchLLMRL import Rollout", "chat imports the front door"),

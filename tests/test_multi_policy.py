@@ -33,7 +33,8 @@ from SimpleTorchLLMRL.model.adapters import (
     save_adapters,
     use_adapter,
 )
-from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.testing.tiny import tiny_model
 from SimpleTorchLLMRL.trainer.grpo import GRPO
 
@@ -134,13 +135,13 @@ def test_a_mixed_batch_runs_one_batch_per_adapter(tok):
     model = two_agents(tok)
     kw = dict(max_new_tokens=10, temperature=1.0, seed=3)
     rs = prompts()
-    mixed = ModelGenerate(model, tok, **kw).generate(rs, adapter=["A", "B", "A"])
-    gen = ModelGenerate(model, tok, **kw)  # same seed stream: A's batch first (first appearance), then B's
-    a = gen.generate([rs[0], rs[2]], adapter="A")
-    b = gen.generate([rs[1]], adapter="B")
+    mixed = ModelGenerate(model, tok, **kw).generate(rs, adapter=["A", "B", "A"], seed=[1, 2, 3])
+    gen = ModelGenerate(model, tok, **kw)  # each prompt's own seed: the same samples in any batch
+    a = gen.generate([rs[0], rs[2]], adapter="A", seed=[1, 3])
+    b = gen.generate([rs[1]], adapter="B", seed=2)
     assert ids_of(mixed) == ids_of([a[0], b[0], a[1]])
     assert [g[0].adapter for g in mixed] == ["A", "B", "A"]
-    with pytest.raises(ValueError, match="one per rollout"):
+    with pytest.raises(ValueError, match="one per prompt"):
         gen.generate(rs, adapter=["A", "B"])
     with pytest.raises(ValueError, match="no adapter 'C'"):
         gen.generate(rs, adapter="C")
@@ -311,12 +312,12 @@ def test_vllm_serves_one_lora_request_per_agent(monkeypatch, tok, tmp_path):
     base_model(tok).save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")
     llm = vllm.LLM(str(tmp_path / "base"), enable_lora=True)
-    gen = ModelGenerate(llm, tok, max_new_tokens=8, do_sample=False)
+    gen = ModelGenerate(llm, tok, sampling=SamplingConfig(max_new_tokens=8, do_sample=False))
     with pytest.raises(ValueError, match="push_weights"):
         gen.generate(prompts(), adapter="A")
     gen.push_weights(model, mode="adapter", adapter=AGENTS)
     assert gen.policy_version == 1 and sorted(gen.backend.lora_requests) == AGENTS
-    hf = ModelGenerate(model, tok, max_new_tokens=8, do_sample=False)
+    hf = ModelGenerate(model, tok, sampling=SamplingConfig(max_new_tokens=8, do_sample=False))
     want = {a: ids_of(hf.generate(prompts(), adapter=a)) for a in AGENTS}
     assert want["A"] != want["B"]
     for agent in AGENTS:

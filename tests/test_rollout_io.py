@@ -13,7 +13,7 @@ from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.rollout_io import RolloutWriter, load_rollouts, save_rollouts
 from SimpleTorchLLMRL.chat.tokenize import encode_rollouts
 from SimpleTorchLLMRL.env.async_rollouts import AsyncProducer, RolloutQueue
-from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.generation.generator import ModelGenerate, extend_groups
 from SimpleTorchLLMRL.trainer.grpo import GRPO
 
 S, U, M, T = MessageType.SYSTEM, MessageType.MESSAGE, MessageType.MODEL, MessageType.TOOL
@@ -105,8 +105,10 @@ def test_openai_message_lists_import():
 
 
 def test_replay_from_file_equals_in_memory_training(tmp_path, qwen2_model, chatml_tokenizer):
-    gen = ModelGenerate(qwen2_model, chatml_tokenizer, max_new_tokens=6, temperature=1.0, seed=0, policy_version=5)
-    rollouts = gen.group_rollout_generate_response([Rollout([Message("question", U)])], n=4)
+    gen = ModelGenerate(qwen2_model, chatml_tokenizer, max_new_tokens=6, temperature=1.0, seed=0)
+    gen.policy_version = 5
+    base = [Rollout([Message("question", U)])]
+    rollouts = extend_groups(base, gen.generate(base, n=4))
     assert all(r[-1].policy_version == 5 for r in rollouts)
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
     back = load_rollouts(save_rollouts(tmp_path / "replay.jsonl", rollouts))
@@ -122,8 +124,10 @@ def test_replay_from_file_equals_in_memory_training(tmp_path, qwen2_model, chatm
 
 
 def test_staleness_metric_and_push_bumps_version(qwen2_model, chatml_tokenizer):
-    gen = ModelGenerate(qwen2_model, chatml_tokenizer, max_new_tokens=4, temperature=1.0, seed=0, policy_version=2)
-    rollouts = gen.group_rollout_generate_response([Rollout([Message("q", U)])], n=2)
+    gen = ModelGenerate(qwen2_model, chatml_tokenizer, max_new_tokens=4, temperature=1.0, seed=0)
+    gen.policy_version = 2
+    base = [Rollout([Message("q", U)])]
+    rollouts = extend_groups(base, gen.generate(base, n=2))
     gen.push_weights()
     assert gen.policy_version == 3
     grpo = GRPO(qwen2_model, chatml_tokenizer, group_size=2, temperature=1.0)

@@ -13,8 +13,9 @@ from generation_helpers import peaked
 
 from SimpleTorchLLMRL.chat.message import Message, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
-from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 from SimpleTorchLLMRL.model.generation.picker import BLOCK, inverse_cdf_sample
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 
@@ -96,7 +97,9 @@ def truncated_probs(logits: torch.Tensor, temperature: float, top_k: int | None,
                                                      (0.9, None, 0.7), (1.0, 20, 0.9)])
 def test_first_token_distribution_matches_the_model(setup, temperature, top_k, top_p):
     tok, model, r, logits = setup
-    gen = ModelGenerate(model, tok, max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, seed=5)
+    gen = ModelGenerate(model, tok, seed=5,
+                        sampling=SamplingConfig(max_new_tokens=1, temperature=temperature, top_k=top_k,
+                                                top_p=top_p))
     (msgs,) = gen.generate([r], n=6000)
     ids = torch.tensor([m.token_ids[0] for m in msgs])
     probs = truncated_probs(logits, temperature, top_k, top_p)

@@ -15,8 +15,8 @@ from test_sampling import chi_square_ok
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.rollout_io import load_rollouts, save_rollouts
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
-from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.model.generation import picker as picker_module
+from SimpleTorchLLMRL.model.generation.generator import BackendConfig, ModelGenerate
 from SimpleTorchLLMRL.model.generation.picker import TokenPicker
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
@@ -98,7 +98,7 @@ def test_the_picker_samples_the_penalized_biased_distribution(monkeypatch, T, to
     assert counts[2, 0] == 3 and counts[0, 2] == 2  # repeated ids: frequency and presence differ
     seen = []
     real = picker_module.inverse_cdf_sample
-    monkeypatch.setattr(picker_module, "inverse_cdf_sample", lambda p, check=True: seen.append(p.clone()) or real(p, check))
+    monkeypatch.setattr(picker_module, "inverse_cdf_sample", lambda p, check=True, u=None: seen.append(p.clone()) or real(p, check, u))
     scores = torch.randn(3, V, generator=torch.Generator().manual_seed(0)) * 2
     tok, logprob, _ = picker.pick(scores)
     [p] = seen
@@ -160,7 +160,8 @@ def question() -> Rollout:
 
 
 def sample(model, tok, decode, cfg, n=1, seed=4):
-    return ModelGenerate(model, tok, seed=seed, decode=decode).generate([question()], n=n, sampling=cfg)[0]
+    return ModelGenerate(model, tok, seed=seed,
+                         backend=BackendConfig(decode=decode)).generate([question()], n=n, sampling=cfg)[0]
 
 
 @pytest.mark.parametrize("decode", DECODES)
@@ -320,7 +321,8 @@ def test_vllm_gets_bias_and_penalties_and_refuses_processed_logprobs(monkeypatch
     assert logprobs_mode_problem("raw_logprobs", SamplingConfig(do_sample=False, frequency_penalty=1.0)) is None
     assert "temperature" in logprobs_mode_problem("raw_logprobs", SamplingConfig(temperature=0.7,
                                                                                  logit_bias={1: 1.0}))
-    processed = ModelGenerate(vllm.LLM(str(tmp_path), logprobs_mode="processed_logprobs"), tok, temperature=0.7)
+    processed = ModelGenerate(vllm.LLM(str(tmp_path), logprobs_mode="processed_logprobs"), tok,
+                              temperature=0.7)
     with pytest.raises(ValueError, match="processed_logprobs"):
         processed.generate([question()], sampling=SamplingConfig(temperature=0.7, frequency_penalty=0.5))
 
@@ -337,7 +339,8 @@ def served(tmp_path_factory):
 
     model, tok = load_calc()
     path = tmp_path_factory.mktemp("gateway") / "rollouts.jsonl"
-    gw = Gateway(ModelGenerate(model, tok, max_new_tokens=6, temperature=1.0, seed=0), record_to=path, window=0.01)
+    gw = Gateway(ModelGenerate(model, tok, max_new_tokens=6, temperature=1.0,
+                               seed=0), record_to=path, window=0.01)
     with gw.serve() as url:
         yield gw, url, path
 

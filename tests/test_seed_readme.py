@@ -254,15 +254,13 @@ def test_monkeypatching_through_a_seed_path_patches_the_real_module(monkeypatch)
     assert [m.content for m in QASolverEnv().setup("q")[0]] == ["patched", "q"]
 
 
-def test_the_renames_the_table_names_resolve_once_the_files_are_gone(tmp_path):
-    """In a copy of the library where the seed's module files have their new names (trainer/GRPO.py ->
-    trainer/grpo.py, model/generate.py -> model/generation/generator.py; already so once those renames land),
-    a fresh interpreter imports each seed path as the renamed module itself."""
+def test_each_seed_path_resolves_in_a_fresh_interpreter(tmp_path):
+    """No file has a seed path's name (trainer/GRPO.py is trainer/grpo.py, model/generate.py is
+    model/generation/generator.py): a fresh interpreter imports each seed path as the renamed module itself."""
+    for old in ("trainer/GRPO.py", "model/generate.py", "env/QASolve.py", "env/ToolQASolve.py", "router_r1"):
+        assert not (PACKAGE / old).exists(), old
     copy = tmp_path / "SimpleTorchLLMRL"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "assets"))
-    for old, new in [("trainer/GRPO.py", "trainer/grpo.py"), ("model/generate.py", "model/generation/generator.py")]:
-        if (copy / old).is_file():
-            (copy / old).rename(copy / new)
     code = """
 import importlib, sys, warnings
 warnings.simplefilter("error")
@@ -351,9 +349,6 @@ def _import_state_writes(tree: ast.Module) -> list[int]:
     return lines
 
 
-# Old spellings other slices of this release remove from files this test cannot edit; an entry goes when its
-# file is fixed (the test says so).
-PENDING = {"model/generate.py": "ModelGenerate's warning __getattr__ (Sample, cut_sample) and deprecated methods"}
 # Writes to sys.modules that are not aliases: the sandbox launcher loads its sibling files under their own names.
 OWN_LOADERS = {"tools/sandbox_launch.py"}
 
@@ -381,9 +376,7 @@ def alias_mechanisms(package_dir: Path = PACKAGE) -> dict[str, list[str]]:
 
 
 def test_the_seed_table_is_the_only_alias_mechanism():
-    found = alias_mechanisms()
-    assert {k: v for k, v in found.items() if k not in PENDING} == {}
-    assert [k for k in PENDING if k not in found] == [], "fixed: remove it from PENDING"
+    assert alias_mechanisms() == {}
 
 
 def test_the_front_door_serves_its_names_and_the_seeds_only():

@@ -215,7 +215,7 @@ def test_group_generation_with_a_shared_prefill_samples_what_the_plain_prefill_d
 
     from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
     from SimpleTorchLLMRL.chat.tokenize import encode_prompt
-    from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.model.generation.generator import ModelGenerate, extend_groups
     from SimpleTorchLLMRL.testing.tiny import tiny_tokenizer
 
     tok = tiny_tokenizer(style)
@@ -230,7 +230,7 @@ def test_group_generation_with_a_shared_prefill_samples_what_the_plain_prefill_d
         gen = ModelGenerate(model, tok, max_new_tokens=10, temperature=temperature, seed=7)
         gen.backend.share_prefill = share
         rows.clear()
-        runs.append(gen.group_rollout_generate_response(prompts, n=4))
+        runs.append(extend_groups(prompts, gen.generate(prompts, n=4)))
         runs[-1] = (runs[-1], list(rows))
     hook.remove()
     (plain, plain_calls), (shared, shared_calls) = runs

@@ -7,12 +7,11 @@ import copy
 
 import pytest
 import torch
-from generation_helpers import peaked
+from generation_helpers import make_generator, peaked
 from test_host_syncs import SyncCounter, assert_no_sync
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import rollouts_to_batch
-from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 from SimpleTorchLLMRL.trainer.grpo import GRPO
@@ -32,7 +31,7 @@ def setup():
 
 def sampled(model, tok, decode: str, **sampling) -> list[Rollout]:
     """3 prompts x 2 samples, each rollout its prompt plus the sampled MODEL turn."""
-    gen = ModelGenerate(model, tok, max_new_tokens=14, temperature=T, seed=3, decode=decode, **sampling)
+    gen = make_generator(model, tok, max_new_tokens=14, temperature=T, seed=3, decode=decode, **sampling)
     prompts = [Rollout([Message("You are a helpful assistant.", MessageType.SYSTEM), Message(q)]) for q in QUESTIONS]
     return [p.copy().add_messages(m) for p, group in zip(prompts, gen.generate(prompts, n=2), strict=True)
             for m in group]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
-from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 from SimpleTorchLLMRL.model.scoring.head import check_vocabulary
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 from SimpleTorchLLMRL.trainer.grpo import GRPO

@@ -6,14 +6,13 @@ import sys
 import pytest
 import torch
 from fake_vllm import install_fake_vllm
-from generation_helpers import peaked, reference_logprobs
+from generation_helpers import make_generator, peaked, reference_logprobs
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout
-from SimpleTorchLLMRL.model.generate import ModelGenerate
-from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
+from SimpleTorchLLMRL.model.generation.generator import BackendConfig, ModelGenerate
+from SimpleTorchLLMRL.model.generation.sampling import DecodeWatch, SamplingConfig
 from SimpleTorchLLMRL.model.generation.vllm import logprobs_mode_problem, push_weights
-from SimpleTorchLLMRL.model.generation.watch import DecodeWatch
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer
 
 
@@ -54,8 +53,8 @@ def test_missing_vllm_says_how_to_install(monkeypatch, tok):
 def test_greedy_matches_the_hf_backend(vllm, tok, policy, model_dir):
     llm = vllm.LLM(model_dir)
     kw = dict(max_new_tokens=10, do_sample=False, temperature=1.0, stop=["ction"])
-    hf = ModelGenerate(policy, tok, **kw).generate(rollouts())
-    fast_gen = ModelGenerate(llm, tok, **kw)
+    hf = make_generator(policy, tok, **kw).generate(rollouts())
+    fast_gen = make_generator(llm, tok, **kw)
     fast = fast_gen.generate(rollouts())
     assert fast_gen.backend.__class__.__name__ == "VLLMBackend"
     for (h,), (v,) in zip(hf, fast, strict=True):
@@ -68,7 +67,8 @@ def test_greedy_matches_the_hf_backend(vllm, tok, policy, model_dir):
                                                      ("processed_logprobs", 1.0, 5), ("processed_logprobs", 0.7, 5)])
 def test_sampled_logprobs_are_of_the_distribution_drawn_from(vllm, tok, policy, model_dir, mode, temperature, top_k):
     llm = vllm.LLM(model_dir, logprobs_mode=mode, seed=0)
-    gen = ModelGenerate(llm, tok, max_new_tokens=8, temperature=temperature, top_k=top_k, seed=1)
+    gen = ModelGenerate(llm, tok, seed=1,
+                        sampling=SamplingConfig(max_new_tokens=8, temperature=temperature, top_k=top_k))
     rs = rollouts(2)
     for r, group in zip(rs, gen.generate(rs, n=2), strict=True):
         assert len(group) == 2 and group[0].token_ids != group[1].token_ids
@@ -102,12 +102,13 @@ def test_request_shape_sent_to_vllm(vllm, tok, model_dir, monkeypatch):
         return real(prompts, sampling_params, **kw)
 
     monkeypatch.setattr(llm, "generate", spy)
-    gen = ModelGenerate(llm, tok, max_new_tokens=4, temperature=0.9, top_p=1.0, stop=["x"],
-                        tool_call_stop=["</tool_call>"], seed=5)
-    gen.generate(rollouts(2), n=3)
+    gen = ModelGenerate(llm, tok, seed=5,
+                        sampling=SamplingConfig(max_new_tokens=4, temperature=0.9, top_p=1.0, stop=["x"],
+                                                tool_call_stop=["</tool_call>"]))
+    gen.generate(rollouts(2), n=3, seed=[40, 7])
     assert seen["prompts"] == [{"prompt_token_ids": encode_prompt(r, tok)} for r in rollouts(2)]
     sp = seen["params"]
-    assert [p.n for p in sp] == [3, 3] and len({p.seed for p in sp}) == 2 and sp[1].seed - sp[0].seed == 3
+    assert [p.n for p in sp] == [3, 3] and [p.seed for p in sp] == [40, 7]  # each prompt its own seed
     p = sp[0]
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.logprobs) == (0.9, 1.0, 0, 4, 0)
     assert p.stop == ["x", "</tool_call>"] and p.include_stop_str_in_output and p.stop_token_ids == [tok.eos_token_id]
@@ -116,12 +117,18 @@ def test_request_shape_sent_to_vllm(vllm, tok, model_dir, monkeypatch):
 
 def test_finish_reasons_from_completion_outputs(vllm, tok, model_dir):
     llm = vllm.LLM(model_dir)
-    base = ModelGenerate(llm, tok, max_new_tokens=12, do_sample=False).generate(rollouts(1))[0][0]
+    base = ModelGenerate(llm, tok,
+                         sampling=SamplingConfig(max_new_tokens=12,
+                                                 do_sample=False)).generate(rollouts(1))[0][0]
     assert base.finish_reason == "length" and len(base.token_ids) == 12
     stop = tok.decode(base.token_ids[3:5], skip_special_tokens=True)
-    tool = ModelGenerate(llm, tok, max_new_tokens=12, do_sample=False, tool_call_stop=[stop]).generate(rollouts(1))[0][0]
+    tool = ModelGenerate(llm, tok,
+                         sampling=SamplingConfig(max_new_tokens=12, do_sample=False,
+                                                 tool_call_stop=[stop])).generate(rollouts(1))[0][0]
     assert tool.finish_reason == "tool_call" and tool.content.endswith(stop) and len(tool.token_ids) <= 5
-    eos = ModelGenerate(llm, tok, max_new_tokens=12, do_sample=False, eos_token_ids=[base.token_ids[2]])
+    eos = ModelGenerate(llm, tok,
+                        sampling=SamplingConfig(max_new_tokens=12, do_sample=False,
+                                                eos_token_ids=[base.token_ids[2]]))
     msg = eos.generate(rollouts(1))[0][0]
     assert msg.finish_reason == "stop" and msg.token_ids == base.token_ids[: base.token_ids.index(base.token_ids[2]) + 1]
 
@@ -135,7 +142,7 @@ def test_a_watched_call_steps_the_engine_and_samples_what_an_unwatched_one_does(
     """n = 2 as one request of n (sampling) or two repeated requests (greedy): same samples, ids reached the
     watch one step at a time, and together they are each row's ids."""
     llm = vllm.LLM(model_dir)
-    gen = ModelGenerate(llm, tok, max_new_tokens=10, seed=0, **kw)
+    gen = make_generator(llm, tok, max_new_tokens=10, seed=0, **kw)
     plain = gen.generate(rollouts(2), n=2, seed=7)
     seen: dict[int, list[list[int]]] = {}
     watched = gen.generate(rollouts(2), n=2, seed=7, watch=DecodeWatch(
@@ -148,7 +155,8 @@ def test_a_watched_call_steps_the_engine_and_samples_what_an_unwatched_one_does(
 
 def test_a_row_the_watch_gives_up_is_aborted_and_keeps_what_it_sampled(vllm, tok, model_dir):
     llm = vllm.LLM(model_dir)
-    gen = ModelGenerate(llm, tok, max_new_tokens=10, temperature=1.0, seed=0, eos_token_ids=[10**6])
+    gen = ModelGenerate(llm, tok, seed=0,
+                        sampling=SamplingConfig(max_new_tokens=10, temperature=1.0, eos_token_ids=[10**6]))
     plain = gen.generate(rollouts(2), n=2, seed=3)
     got = {r: 0 for r in range(4)}
 
@@ -168,7 +176,8 @@ def test_a_row_the_watch_gives_up_is_aborted_and_keeps_what_it_sampled(vllm, tok
 
 def test_a_watched_call_that_fails_leaves_no_request_in_the_engine(vllm, tok, model_dir):
     llm = vllm.LLM(model_dir)
-    gen = ModelGenerate(llm, tok, max_new_tokens=10, temperature=1.0, seed=0, eos_token_ids=[10**6])
+    gen = ModelGenerate(llm, tok, seed=0,
+                        sampling=SamplingConfig(max_new_tokens=10, temperature=1.0, eos_token_ids=[10**6]))
     calls = []
 
     def on_tokens(rows, ids):
@@ -184,7 +193,9 @@ def test_a_watched_call_that_fails_leaves_no_request_in_the_engine(vllm, tok, mo
 
 def test_greedy_group_repeats_prompts_instead_of_n(vllm, tok, model_dir):
     llm = vllm.LLM(model_dir)
-    groups = ModelGenerate(llm, tok, max_new_tokens=4, do_sample=False).generate(rollouts(2), n=2)
+    groups = ModelGenerate(llm, tok,
+                           sampling=SamplingConfig(max_new_tokens=4,
+                                                   do_sample=False)).generate(rollouts(2), n=2)
     assert [[m.token_ids == g[0].token_ids for m in g] for g in groups] == [[True, True], [True, True]]
     assert llm.generate_calls[-1]["n_prompts"] == 4
 
@@ -196,7 +207,7 @@ def test_greedy_group_repeats_prompts_instead_of_n(vllm, tok, model_dir):
 ])
 def test_logprobs_mode_that_cannot_give_the_right_quantity_is_refused(vllm, tok, model_dir, mode, kw):
     with pytest.raises(ValueError, match="logprobs_mode|top_k/top_p"):
-        ModelGenerate(vllm.LLM(model_dir, logprobs_mode=mode), tok, **kw)
+        make_generator(vllm.LLM(model_dir, logprobs_mode=mode), tok, **kw)
 
 
 def test_logprobs_mode_rules():
@@ -207,7 +218,8 @@ def test_logprobs_mode_rules():
 
 
 def test_model_path_builds_the_engine_with_the_needed_mode(vllm, tok, model_dir):
-    gen = ModelGenerate(model_dir, None, backend="vllm", temperature=0.6, vllm_kwargs=dict(enable_sleep_mode=True))
+    gen = ModelGenerate(model_dir, None, temperature=0.6,
+                        backend=BackendConfig(kind="vllm", vllm_kwargs=dict(enable_sleep_mode=True)))
     assert gen.backend.llm.model_config.logprobs_mode == "processed_logprobs"
     assert gen.tokenizer.eos_token_id == tok.eos_token_id and gen.max_context == 512
 
@@ -215,7 +227,7 @@ def test_model_path_builds_the_engine_with_the_needed_mode(vllm, tok, model_dir)
 def test_prompt_over_max_model_len_names_the_rollout(vllm, tok, model_dir):
     gen = ModelGenerate(vllm.LLM(model_dir, max_model_len=40), tok, max_new_tokens=8, temperature=1.0)
     long = Rollout([Message("The quick brown fox jumps over the lazy dog. " * 3)])
-    with pytest.raises(ValueError, match="rollout 1"):
+    with pytest.raises(ValueError, match="prompt 1"):
         gen.generate([rollouts(1)[0], long])
 
 
@@ -223,14 +235,16 @@ def test_prompt_over_max_model_len_names_the_rollout(vllm, tok, model_dir):
 
 
 def greedy(gen_model, tok):
-    return [g[0].token_ids for g in ModelGenerate(gen_model, tok, max_new_tokens=8, do_sample=False).generate(rollouts())]
+    return [g[0].token_ids for g in ModelGenerate(gen_model, tok,
+                                                  sampling=SamplingConfig(max_new_tokens=8,
+                                                                          do_sample=False)).generate(rollouts())]
 
 
 def test_push_full_weights(vllm, tok, model_dir):
     llm = vllm.LLM(model_dir)
     other = peaked(tiny_model("qwen2", tok), seed=1)
     assert greedy(llm, tok) != greedy(other, tok)
-    ModelGenerate(llm, tok, do_sample=False).push_weights(other, mode="full")
+    ModelGenerate(llm, tok, sampling=SamplingConfig(do_sample=False)).push_weights(other, mode="full")
     assert greedy(llm, tok) == greedy(other, tok) and llm.prefix_cache_resets >= 1
     assert llm._vllm_model.load_calls == 1 and llm.llm_engine._worker.reload_calls == 1
 
@@ -278,11 +292,12 @@ def test_push_merged_peft_weights_leaves_the_model_untouched(vllm, tok, model_di
 def test_push_adapter_serves_it_through_lora_requests(vllm, tok, model_dir):
     peft_model = lora_policy(tok, 3)
     with pytest.raises(ValueError, match="LoRA is not enabled"):
-        gen = ModelGenerate(vllm.LLM(model_dir), tok, max_new_tokens=8, do_sample=False)
+        gen = ModelGenerate(vllm.LLM(model_dir), tok,
+                            sampling=SamplingConfig(max_new_tokens=8, do_sample=False))
         gen.push_weights(peft_model, mode="adapter")
         gen.generate(rollouts())
     llm = vllm.LLM(model_dir, enable_lora=True)
-    gen = ModelGenerate(llm, tok, max_new_tokens=8, do_sample=False)
+    gen = ModelGenerate(llm, tok, sampling=SamplingConfig(max_new_tokens=8, do_sample=False))
     gen.push_weights(peft_model, mode="adapter")
     first = gen.backend.lora_request
     assert [g[0].token_ids for g in gen.generate(rollouts())] == greedy(peft_model, tok)
@@ -292,7 +307,7 @@ def test_push_adapter_serves_it_through_lora_requests(vllm, tok, model_dir):
 
 def test_sleep_wake_and_push_for_colocation(vllm, tok, model_dir):
     llm = vllm.LLM(model_dir, enable_sleep_mode=True)
-    gen = ModelGenerate(llm, tok, max_new_tokens=8, do_sample=False)
+    gen = ModelGenerate(llm, tok, sampling=SamplingConfig(max_new_tokens=8, do_sample=False))
     want = greedy(llm, tok)
     gen.sleep(level=2)
     with pytest.raises(RuntimeError, match="asleep"):
@@ -325,14 +340,16 @@ def test_real_vllm_logprobs_and_weight_push(tmp_path, tok):
         ref = reference_logprobs(hf, encode_prompt(r, tok), msg.token_ids, 0.7)
         torch.testing.assert_close(torch.tensor(msg.logprobs, dtype=torch.float64), ref, atol=2e-3, rtol=0)
     other = peaked(tiny_model("qwen2", tok, hidden_size=128, num_heads=2), seed=1)
-    gen_greedy = ModelGenerate(llm, tok, max_new_tokens=8, do_sample=False)
+    gen_greedy = ModelGenerate(llm, tok, sampling=SamplingConfig(max_new_tokens=8, do_sample=False))
     gen_greedy.push_weights(other)
-    want = [g[0].token_ids for g in ModelGenerate(other, tok, max_new_tokens=8, do_sample=False).generate(rs)]
+    want = [g[0].token_ids for g in ModelGenerate(other, tok,
+                                                  sampling=SamplingConfig(max_new_tokens=8,
+                                                                          do_sample=False)).generate(rs)]
     assert [g[0].token_ids for g in gen_greedy.generate(rs)] == want
 
 
 def test_decode_is_the_hf_backends_choice(vllm, tok, model_dir):
     llm = vllm.LLM(model_dir)
-    assert ModelGenerate(llm, tok, temperature=1.0, decode="auto").backend.llm is llm
-    with pytest.raises(ValueError, match="decode='fast' chooses the HF backend's decode loop"):
-        ModelGenerate(llm, tok, temperature=1.0, decode="fast")
+    assert ModelGenerate(llm, tok, temperature=1.0, backend=BackendConfig(decode="auto")).backend.llm is llm
+    with pytest.raises(ValueError, match="decode / batch_size choose the HF backend's decode loop"):
+        ModelGenerate(llm, tok, temperature=1.0, backend=BackendConfig(decode="fast"))

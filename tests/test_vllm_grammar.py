@@ -12,10 +12,9 @@ from engine_helpers import hf_logprobs, tiny_calc_engine, tiny_calc_hf
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
-from SimpleTorchLLMRL.model.generate import ModelGenerate
 from SimpleTorchLLMRL.model.generation.constrain import json_schema_grammar
-from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
-from SimpleTorchLLMRL.model.generation.watch import DecodeWatch
+from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
+from SimpleTorchLLMRL.model.generation.sampling import DecodeWatch, SamplingConfig
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 
 pytestmark = [
@@ -66,8 +65,12 @@ def test_every_completion_validates_and_logprobs_are_the_raw_ones(llm, hf):
 def test_greedy_under_a_grammar_equals_the_hf_loop(llm, hf):
     model, tok = hf
     cfg = SamplingConfig(max_new_tokens=40, do_sample=False, grammar=json_schema_grammar(SCHEMA))
-    engine = ModelGenerate(llm, tok, max_new_tokens=40, do_sample=False).generate(_rollouts(), sampling=cfg)
-    local = ModelGenerate(model, tok, max_new_tokens=40, do_sample=False).generate(_rollouts(), sampling=cfg)
+    engine = ModelGenerate(llm, tok,
+                           sampling=SamplingConfig(max_new_tokens=40,
+                                                   do_sample=False)).generate(_rollouts(), sampling=cfg)
+    local = ModelGenerate(model, tok,
+                          sampling=SamplingConfig(max_new_tokens=40,
+                                                  do_sample=False)).generate(_rollouts(), sampling=cfg)
     assert [g[0].token_ids for g in engine] == [g[0].token_ids for g in local]
 
 

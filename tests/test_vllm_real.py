@@ -19,7 +19,7 @@ from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt, encode_rollout
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
 from SimpleTorchLLMRL.env.tool_use import ToolUseEnv
-from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 from SimpleTorchLLMRL.tools import calculator
@@ -66,16 +66,21 @@ def test_sampled_ids_are_kept_and_logprobs_match_hf(llm, hf):
 def test_greedy_ids_equal_hf_greedy_and_lengths_and_stops(llm, hf):
     model, tok = hf
     rollouts = _rollouts()
-    engine = ModelGenerate(llm, tok, max_new_tokens=20, do_sample=False).generate(rollouts)
-    local = ModelGenerate(model, tok, max_new_tokens=20, do_sample=False).generate(rollouts)
+    engine = ModelGenerate(llm, tok,
+                           sampling=SamplingConfig(max_new_tokens=20, do_sample=False)).generate(rollouts)
+    local = ModelGenerate(model, tok,
+                          sampling=SamplingConfig(max_new_tokens=20, do_sample=False)).generate(rollouts)
     assert [g[0].token_ids for g in engine] == [g[0].token_ids for g in local]
-    short = ModelGenerate(llm, tok, max_new_tokens=3, do_sample=False).generate(rollouts)
+    short = ModelGenerate(llm, tok,
+                          sampling=SamplingConfig(max_new_tokens=3, do_sample=False)).generate(rollouts)
     assert all(len(g[0].token_ids) <= 3 for g in short)
     assert any(g[0].finish_reason == "length" for g in short)
     text = engine[0][0].content
     stop = text[len(text) // 2: len(text) // 2 + 2] if len(text) > 4 else None
     if stop and stop.strip():
-        cut = ModelGenerate(llm, tok, max_new_tokens=20, do_sample=False, stop=[stop]).generate(rollouts[:1])[0][0]
+        cut = ModelGenerate(llm, tok,
+                            sampling=SamplingConfig(max_new_tokens=20, do_sample=False,
+                                                    stop=[stop])).generate(rollouts[:1])[0][0]
         assert cut.content.endswith(stop) and cut.finish_reason == "stop"
 
 
@@ -85,7 +90,8 @@ def test_logit_bias_and_penalties_match_the_hf_picker_and_keep_raw_logprobs(llm,
     engine's raw_logprobs stay the HF model's log-probs of the raw logits."""
     model, tok = hf
     rollouts = _rollouts()
-    plain = ModelGenerate(llm, tok, max_new_tokens=12, do_sample=False).generate(rollouts)
+    plain = ModelGenerate(llm, tok,
+                          sampling=SamplingConfig(max_new_tokens=12, do_sample=False)).generate(rollouts)
     first = plain[0][0].token_ids[0]
     configs = [SamplingConfig(max_new_tokens=12, do_sample=False, logit_bias={first: -100}),
                SamplingConfig(max_new_tokens=12, do_sample=False, frequency_penalty=1.5, presence_penalty=0.5),

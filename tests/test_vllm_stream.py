@@ -18,9 +18,8 @@ import pytest
 from engine_helpers import EngineSteps, tiny_calc_engine, tiny_calc_hf
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
-from SimpleTorchLLMRL.model.generate import ModelGenerate
-from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
-from SimpleTorchLLMRL.model.generation.watch import DecodeWatch
+from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
+from SimpleTorchLLMRL.model.generation.sampling import DecodeWatch, SamplingConfig
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 
 pytestmark = [
@@ -121,7 +120,8 @@ def test_a_lora_adapter_streams_the_same_samples(llm, hf):
     plain = gen.generate(_rollouts(), n=2, seed=4)
     watched = gen.generate(_rollouts(), n=2, seed=4, watch=Deliveries().watch)
     assert _fields(watched) == _fields(plain)
-    base = ModelGenerate(llm, tok, max_new_tokens=24, temperature=1.0, seed=0).generate(_rollouts(), n=2, seed=4)
+    base = ModelGenerate(llm, tok, max_new_tokens=24, temperature=1.0,
+                         seed=0).generate(_rollouts(), n=2, seed=4)
     assert [m.token_ids for g in base for m in g] != [m.token_ids for g in plain for m in g]  # the adapter counts
 
 

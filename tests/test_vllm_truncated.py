@@ -11,7 +11,8 @@ import torch
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import rollouts_to_batch
-from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.generation.generator import BackendConfig, ModelGenerate
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
@@ -31,8 +32,9 @@ def test_vllm_truncated_turns_give_ratios_of_one():
 
     model = AutoModelForCausalLM.from_pretrained(TINY_CALC, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(TINY_CALC)
-    gen = ModelGenerate(str(TINY_CALC), None, backend="vllm", max_new_tokens=16, temperature=T, top_k=20, top_p=0.8,
-                        seed=0, vllm_kwargs=dict(max_model_len=512, enforce_eager=True))
+    gen = ModelGenerate(str(TINY_CALC), None, seed=0,
+                        sampling=SamplingConfig(max_new_tokens=16, temperature=T, top_k=20, top_p=0.8),
+                        backend=BackendConfig(kind="vllm", vllm_kwargs=dict(max_model_len=512, enforce_eager=True)))
     assert gen.backend.logprobs_mode == "processed_logprobs"  # chosen for a truncating generator
     prompts = [Rollout([Message(SYSTEM_PROMPT, MessageType.SYSTEM), Message(q)])
                for q in ["What is 12 + 35?", "What is 645 * 49?"]]

@@ -20,8 +20,8 @@ def main() -> None:
 
     from SimpleTorchLLMRL.chat.message import Message, Rollout
     from SimpleTorchLLMRL.chat.tokenize import encode_prompt
-    from SimpleTorchLLMRL.model.generate import ModelGenerate
     from SimpleTorchLLMRL.model.generation import weight_sync
+    from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
     from SimpleTorchLLMRL.model.generation.vllm_engine import WeightSyncError, in_process, make_llm
     from SimpleTorchLLMRL.model.lora import apply_lora
     from SimpleTorchLLMRL.testing.tiny import TINY_CALC

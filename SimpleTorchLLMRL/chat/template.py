@@ -377,17 +377,23 @@ class ChatTemplate:
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _CACHE_LOCK = threading.RLock()
+MAX_TEMPLATES = 64  # per tokenizer: the templates of the most recently used (tools, options), oldest dropped
 
 
 def chat_template_for(tokenizer, tools=None, template_kwargs: dict | None = None) -> ChatTemplate:
-    """A cached `ChatTemplate` per tokenizer, template source and options."""
+    """A cached `ChatTemplate` per tokenizer, template source and options (the last MAX_TEMPLATES of each
+    tokenizer: a server that sees a new tool set per request keeps a bounded number)."""
     key = (repr(tokenizer.chat_template), _key(tools), _key(template_kwargs or {}))
     with _CACHE_LOCK:
         try:
-            per_tok = _CACHE.setdefault(tokenizer, {})
+            per_tok = _CACHE.setdefault(tokenizer, OrderedDict())
         except TypeError:  # not weak-referenceable: no cache
-            per_tok = {}
+            per_tok = OrderedDict()
         ct = per_tok.get(key)
         if ct is None:
             ct = per_tok[key] = ChatTemplate(tokenizer, tools, template_kwargs)
+            while len(per_tok) > MAX_TEMPLATES:
+                per_tok.popitem(last=False)
+        else:
+            per_tok.move_to_end(key)
         return ct

@@ -114,14 +114,27 @@ def episode_rewards(rollouts: Sequence[Rollout]) -> torch.Tensor:
     return torch.tensor([float(r.metadata["reward"]) for r in rollouts], dtype=torch.float32)  # (B,)
 
 
+def _fitting(generator, rollouts: list[Rollout], active: list[int]) -> tuple[list[int], dict]:
+    """The active episodes whose next prompt fits the generator's context (the others end with done_reason
+    "context"), and their prompts as encoded (`prompt_ids=`), when the generator says what fits."""
+    if not hasattr(generator, "fits"):
+        return active, {}
+    encoded = dict(zip(active, generator.prompt_ids([rollouts[i] for i in active]), strict=True))
+    for i in [i for i in active if not generator.fits(encoded[i])]:
+        _finish(rollouts[i], "context")
+    active = [i for i in active if generator.fits(encoded[i])]
+    return active, {"prompt_ids": [encoded[i] for i in active]}
+
+
 def collect_rollouts(generator, env, questions: Sequence[Any], answers: Sequence[Any] | None = None,
                      group_size: int = 1, max_turns: int | None = None,
                      max_workers: int | None = None) -> list[Rollout]:
     """Run one episode per (question, group member) and return the R = Q * G rollouts, group-major.
 
     generator: anything with `batch_rollout_generate_response(rollouts)` (appends one MODEL message
-    each), e.g. `ModelGenerate`; if it also has `fits(rollout)`, episodes whose next prompt would
-    overflow the model's context end with done_reason "context" instead of raising.
+    each), e.g. `ModelGenerate`; if it also has `prompt_ids(rollouts)` and `fits(prompt_ids)`, episodes
+    whose next prompt would overflow the model's context end with done_reason "context" instead of
+    raising, and the prompts go on encoded (`batch_rollout_generate_response(..., prompt_ids=...)`).
     env: an `Env` (`setup(question, answer) -> (messages, state)`, `step(rollout, state) -> (messages,
     done)`); `setup` and `step` run concurrently in threads, so they must not share unguarded
     mutable state. A `step` that raises ends that episode with a TOOL message saying what failed;
@@ -165,14 +178,10 @@ def _run_turns(generator, env, rollouts: list[Rollout], max_turns: int, pool: Th
     """Up to `max_turns` batched MODEL turns, each followed by the env's concurrent steps; sets done_reason."""
     active = list(range(len(rollouts)))
     for turn in range(max_turns):
-        if turn > 0 and hasattr(generator, "fits"):
-            overflow = {i for i in active if not generator.fits(rollouts[i])}
-            for i in overflow:
-                _finish(rollouts[i], "context")
-            active = [i for i in active if i not in overflow]
+        active, prompts = _fitting(generator, rollouts, active) if turn > 0 else (active, {})
         if not active:
             break
-        generator.batch_rollout_generate_response([rollouts[i] for i in active])
+        generator.batch_rollout_generate_response([rollouts[i] for i in active], **prompts)
         for i in active:
             rollouts[i].metadata["turns"] += 1
         results = list(pool.map(lambda i: _step(env, rollouts[i]), active))

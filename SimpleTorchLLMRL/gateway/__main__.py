@@ -28,6 +28,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -36,7 +43,7 @@ def _positive_int(text: str) -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from SimpleTorchLLMRL.gateway.limits import DEFAULT_MAX_BODY_BYTES
+    from SimpleTorchLLMRL.gateway.request import DEFAULT_MAX_BODY_BYTES
 
     ap = argparse.ArgumentParser(prog="python -m SimpleTorchLLMRL.gateway", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-sessions", type=_non_negative_int, default=10000,
                     help="past this many open sessions the least recently used one is finished the same way "
                          "(0: no limit)")
+    ap.add_argument("--compile-budget", type=_positive, default=10.0,
+                    help="seconds a request's grammar (response_format, a forced tool call) may take to compile; "
+                         "past it the request is a 400 naming the field")
     return ap.parse_args(argv)
 
 
@@ -69,7 +79,7 @@ def main(argv=None) -> None:
     a = parse_args(argv)
 
     from SimpleTorchLLMRL.gateway import Gateway
-    from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 
     if a.backend == "vllm":
         generator = ModelGenerate(a.model, None, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
@@ -79,11 +89,12 @@ def main(argv=None) -> None:
 
         tokenizer = AutoTokenizer.from_pretrained(a.model, padding_side="left")
         model = AutoModelForCausalLM.from_pretrained(a.model).eval()
-        generator = ModelGenerate(model, tokenizer, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-                                  tool_call_stop=a.tool_call_stop or None)
+        generator = ModelGenerate(model, tokenizer, max_new_tokens=a.max_new_tokens,
+                                  temperature=a.temperature, tool_call_stop=a.tool_call_stop or None)
     gateway = Gateway(generator, model_name=a.served_model_name, record_to=a.record_to,
                       max_body_bytes=a.max_body_bytes, window=a.window, max_batch=a.max_batch,
-                      session_ttl=a.session_ttl or None, max_sessions=a.max_sessions or None)
+                      session_ttl=a.session_ttl or None, max_sessions=a.max_sessions or None,
+                      compile_budget=a.compile_budget)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with gateway.serve(a.host, a.port) as url:

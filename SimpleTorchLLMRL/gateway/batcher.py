@@ -5,12 +5,14 @@ window adapts: requests that arrive while a batch generates queue, and the next 
 once; a request that finds the batcher idle waits until no other request has arrived for `window` seconds
 and none is still being prepared (parsed, encoded: `expect`), at most `max_wait` seconds and `max_batch`
 requests in all. So simultaneous sessions share one batch. The batch is split by sampling options (one
-`ModelGenerate.generate` call per distinct options, n and seed). A call that fails is retried request by
-request, so one bad request fails alone.
+`ModelGenerate.generate` call per distinct options and n); each job keeps its own seed (rows draw from
+their own streams, so a seeded request samples the same alone or batched). A call that fails is retried
+job by job, so one bad request fails alone.
 
-Each job may carry a `Listener` (`gateway.streaming`): its rows' ids reach it as they are sampled (a stream),
-and once it is cancelled (its client hung up) its rows stop within a few decode steps and its result is
-dropped; the other rows of the batch sample exactly what they would have.
+A job is cancelled (`Job.cancel`: its client hung up) and its rows stop within a few decode steps; its
+result is dropped; the other rows of the batch sample exactly what they would have. A job with a
+`listener` (`gateway.streaming.Listener`: a stream) also receives its rows' ids as they are sampled.
+`batches` keeps the sizes of the last MAX_RECORDS batches (for tests and logs).
 """
 
 from __future__ import annotations
@@ -19,29 +21,41 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-from dataclasses import dataclass
+import threading
+from collections import deque
+from dataclasses import dataclass, field
 
-from SimpleTorchLLMRL.chat.message import Message, Rollout
-from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
-from SimpleTorchLLMRL.model.generation.watch import DecodeWatch
+from SimpleTorchLLMRL.model.generation.sampling import DecodeWatch, SamplingConfig
+
+MAX_RECORDS = 256
 
 
 @dataclass
 class Job:
-    rollout: Rollout | None  # None: a raw prompt (/v1/completions), generated from `prompt_ids` as they are
+    """One prompt's n samples: its ids (as encoded), this call's settings, its seed, and for a stream the
+    listener and the index of its first choice (`offset`)."""
+
+    prompt_ids: list[int]
     sampling: SamplingConfig
     n: int
     seed: int | None
-    prompt_ids: list[int] | None = None  # the prompt as encoded (a rollout's, by `encode_prompt`: encoded once)
-    listener: object | None = None  # a `streaming.Listener`: streamed ids and the cancel flag
+    listener: object | None = None
+    offset: int = 0
+    future: asyncio.Future | None = None
+    _cancelled: threading.Event = field(default_factory=threading.Event)
 
     @property
     def cancelled(self) -> bool:
-        return self.listener is not None and self.listener.cancelled
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """The client left: the rows stop at the next check and the result is dropped."""
+        self._cancelled.set()
+        if self.future is not None:
+            self.future.cancel()
 
     def key(self) -> str:
-        return json.dumps([dataclasses.asdict(self.sampling), self.n, self.seed, self.rollout is None],
-                          sort_keys=True, default=str)
+        return json.dumps([dataclasses.asdict(self.sampling), self.n], sort_keys=True, default=str)
 
 
 class Batcher:
@@ -52,7 +66,7 @@ class Batcher:
         self._changed: asyncio.Event | None = None  # set on every arrival and every preparation that ends
         self._task: asyncio.Task | None = None
         self.preparing = 0  # requests being parsed / encoded, about to be enqueued (`expect`)
-        self.batches: list[int] = []  # requests per generated batch (for tests and logs)
+        self.batches: deque[int] = deque(maxlen=MAX_RECORDS)  # requests per generated batch, the last ones
 
     def start(self) -> None:
         self._queue, self._changed = asyncio.Queue(), asyncio.Event()
@@ -61,10 +75,8 @@ class Batcher:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
 
     @contextlib.contextmanager
     def expect(self):
@@ -78,18 +90,14 @@ class Batcher:
             if self._changed is not None:
                 self._changed.set()
 
-    def enqueue(self, job: Job) -> asyncio.Future:
-        """The future of the job's n sampled MODEL messages (it raises what generation raised for the job)."""
-        future = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((job, future))
+    def enqueue(self, job: Job) -> Job:
+        """Queue the job; `job.future` gets its n sampled MODEL messages (or what generation raised for it)."""
+        job.future = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait(job)
         self._changed.set()
-        return future
+        return job
 
-    async def submit(self, job: Job) -> list[Message]:
-        """`enqueue`, then its result."""
-        return await self.enqueue(job)
-
-    async def _gather(self) -> list:
+    async def _gather(self) -> list[Job]:
         """The next batch: the first request, then what is queued, waiting while it may grow (module docstring)."""
         loop = asyncio.get_running_loop()
         batch = [await self._queue.get()]
@@ -117,19 +125,18 @@ class Batcher:
 
     async def _run(self) -> None:
         while True:
-            batch = await self._gather()
-            batch = [(job, fut) for job, fut in batch if not fut.cancelled() and not job.cancelled]
+            batch = [job for job in await self._gather() if not job.cancelled]
             if not batch:
                 continue
             self.batches.append(len(batch))
-            results = await asyncio.to_thread(self._generate, [job for job, _ in batch])
-            for (_, fut), result in zip(batch, results, strict=True):
-                if fut.cancelled():
+            results = await asyncio.to_thread(self._generate, batch)
+            for job, result in zip(batch, results, strict=True):
+                if job.future.done():
                     continue
                 if isinstance(result, BaseException):
-                    fut.set_exception(result)
+                    job.future.set_exception(result)
                 else:
-                    fut.set_result(result)
+                    job.future.set_result(result)
 
     def _generate(self, jobs: list[Job]) -> list:
         """One result per job: its messages, or the exception its generation raised."""
@@ -152,30 +159,24 @@ class Batcher:
         return out
 
     def _call(self, jobs: list[Job]) -> list[list]:
-        """One generate call for jobs of the same key: rollouts (with their encoded prompts when given), or ids."""
+        """One generate call for jobs of the same key: their prompts as encoded, each with its own seed."""
         first = jobs[0]
         watch = _watch(jobs, first.n)
-        kw = {"sampling": first.sampling, "seed": first.seed, **({"watch": watch} if watch is not None else {})}
-        if first.rollout is None:
-            return self.generator.generate_from_ids([j.prompt_ids for j in jobs], first.n, **kw)
-        encoded = all(j.prompt_ids is not None for j in jobs)
-        return self.generator.generate([j.rollout for j in jobs], first.n,
-                                       prompt_ids=[j.prompt_ids for j in jobs] if encoded else None, **kw)
+        return self.generator.generate([j.prompt_ids for j in jobs], first.n, sampling=first.sampling,
+                                       seed=[j.seed for j in jobs], **({"watch": watch} if watch else {}))
 
 
-def _watch(jobs: list[Job], n: int) -> DecodeWatch | None:
-    """The jobs' listeners as one `DecodeWatch` over the call's rows (row r: job r // n, its sample r % n)."""
-    if all(j.listener is None for j in jobs):
-        return None
+def _watch(jobs: list[Job], n: int) -> DecodeWatch:
+    """The jobs' cancel flags (and a stream's listener) as one `DecodeWatch` over the call's rows (row r:
+    job r // n, its sample r % n)."""
 
     def on_tokens(rows, ids) -> None:
         per_job: dict[int, list] = {}
         for r, new in zip(rows, ids, strict=True):
-            listener = jobs[r // n].listener
-            if listener is not None and listener.stream:
-                per_job.setdefault(r // n, []).append((r % n, new))
+            if jobs[r // n].listener is not None:
+                per_job.setdefault(r // n, []).append((jobs[r // n].offset + r % n, new))
         for k, items in per_job.items():
             jobs[k].listener.push(items)
 
-    streams = any(j.listener is not None and j.listener.stream for j in jobs)
+    streams = any(j.listener is not None for j in jobs)
     return DecodeWatch(on_tokens if streams else None, lambda r: jobs[r // n].cancelled)

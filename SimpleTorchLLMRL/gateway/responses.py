@@ -24,7 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from SimpleTorchLLMRL.gateway.openai_format import RequestError, bad, int_field
+from SimpleTorchLLMRL.gateway.request import RequestError, bad, int_field
 
 # read here and translated to the chat body (return_token_ids, chat_template_kwargs: the gateway's own)
 HONOURED = frozenset({
@@ -32,7 +32,7 @@ HONOURED = frozenset({
     "parallel_tool_calls", "stream", "stream_options", "previous_response_id", "include", "top_logprobs", "text",
     "store", "return_token_ids", "chat_template_kwargs",
 })
-# passed to the chat path as they are: accepted there without effect on sampling (gateway.fields.NO_EFFECT)
+# passed to the chat path as they are: accepted there without effect on sampling (chat.NO_EFFECT)
 PASSED = frozenset({"metadata", "user", "safety_identifier", "service_tier", "prompt_cache_key",
                     "prompt_cache_retention", "prompt_cache_options"})
 # field -> (the values that ask for nothing, why any other is refused)
@@ -341,6 +341,16 @@ def response_object(rid: str, model: str, body: dict, payload: dict | None, mess
     return out
 
 
+def _with_streamed(final: dict, message_id: str, streamed: list[str] | None) -> dict:
+    """The final Response, with the text that was streamed as its first item where the reply does not show it
+    (deltas must be the shown text; what was seen stays, as streamed)."""
+    if streamed is None or any(item["type"] == "message" for item in final["output"]):
+        return final
+    part = {"type": "output_text", "text": "".join(streamed), "annotations": []}
+    item = {"id": message_id, "type": "message", "role": "assistant", "status": "completed", "content": [part]}
+    return {**final, "output": [item, *final["output"]]}
+
+
 async def stream_events(start: dict, message_id: str, deltas: AsyncIterator[str],
                         finish: Callable[[], Awaitable[dict]]) -> AsyncIterator[dict]:
     """The Responses stream: response.created, response.in_progress, the message item (output_item.added,
@@ -377,14 +387,7 @@ async def stream_events(start: dict, message_id: str, deltas: AsyncIterator[str]
             opened = True
         streamed.append(delta)
         yield event("response.output_text.delta", **at, content_index=0, delta=delta, logprobs=[])
-    final = await finish()
-    if opened and not any(item["type"] == "message" for item in final["output"]):
-        # text was streamed that the final reply does not show (deltas must be the shown text): it was
-        # seen, so it stays the first item, as streamed
-        text = "".join(streamed)
-        final = {**final, "output": [{"id": message_id, "type": "message", "role": "assistant",
-                                      "status": "completed", "content": [{"type": "output_text", "text": text,
-                                                                          "annotations": []}]}, *final["output"]]}
+    final = _with_streamed(await finish(), message_id, streamed if opened else None)
     for index, item in enumerate(final["output"]):
         if item["type"] == "message":
             part = item["content"][0]
@@ -406,14 +409,3 @@ async def stream_events(start: dict, message_id: str, deltas: AsyncIterator[str]
         yield event("response.output_item.done", output_index=index, item=item)
     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
     yield event(kind, response=final)
-
-
-def sse_response(events: AsyncIterator[dict]):
-    """Server-sent events, each named by its type (the Responses API sends no `[DONE]`)."""
-    from fastapi.responses import StreamingResponse
-
-    async def lines():
-        async for e in events:
-            yield f"event: {e['type']}\ndata: {json.dumps(e)}\n\n"
-
-    return StreamingResponse(lines(), media_type="text/event-stream")

@@ -1,9 +1,11 @@
-"""POST /v1/responses and GET /v1/responses/{id}: the Responses API over the chat path.
+"""POST /v1/responses and GET /v1/responses/{id}: the Responses API at the two ends of the chat pipeline.
 
-A request is translated to the Chat Completions request the chat route takes (`gateway.responses`)
-and answered by the same call (`Gateway.reply_events`; a stream's text deltas as the rows sample): the same sessions and merge rule, recording,
-batching, limits and field checks. So the OpenAI Agents SDK, whose default model calls this route,
-runs with nothing but `base_url` set, and its episodes become rollouts with the exact sampled ids.
+`parse` translates a request to the Chat Completions body (`responses.chat_body`) and parses that with the
+chat route's own `chat.parse`; `render` turns the chat completion into a Response (`stream`: its events, the
+reply's text as the rows sample). So sessions, merges, recording, batching, limits and field checks are the
+chat path's, and the OpenAI Agents SDK, whose default model calls this route, runs with nothing but
+`base_url` set; its episodes become rollouts with the exact sampled ids. The chat path's 400s name the
+Responses fields (`respell`: messages -> input, ...).
 
 `previous_response_id` is a session link: each stored response (`store` left out or true) names its
 session and conversation (the conversation without `instructions`, then the reply as the client
@@ -14,24 +16,22 @@ unknown or finished id is a 400 naming `previous_response_id`. `GET /v1/response
 a linked response while its session lives, else a 404.
 """
 
+from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
 
-from SimpleTorchLLMRL.gateway.limits import check_prompt_size, parse_json, read_body
-from SimpleTorchLLMRL.gateway.openai_format import RequestError, bad, completion_payload, parse_request
+import SimpleTorchLLMRL.gateway.chat as chat
+from SimpleTorchLLMRL.gateway.request import Finished, GenRequest, RequestError, Result, bad
 from SimpleTorchLLMRL.gateway.responses import (
     as_responses_error,
     chat_body,
     new_id,
     reply_message,
     response_object,
-    sse_response,
     stream_events,
 )
-from SimpleTorchLLMRL.gateway.streaming import Finished, TextDelta, until_disconnect
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,22 @@ class Link:
     response: dict
 
 
-def previous(gateway, body) -> tuple:
+@dataclass(frozen=True)
+class ResponsesOptions:
+    body: dict
+    history: list[dict]  # the previous response's conversation
+    new: list[dict]  # this request's items as chat messages
+    chat: chat.ChatOptions
+    rid: str
+    message_id: str
+    created: int
+
+
+def respell(e: RequestError) -> RequestError:
+    return as_responses_error(e)
+
+
+def previous(store, body) -> tuple:
     """(session, Link) of the request's previous_response_id ((None, None) when it has none); a 400 naming
     it when unknown or finished."""
     rid = body.get("previous_response_id") if isinstance(body, dict) else None
@@ -50,103 +65,85 @@ def previous(gateway, body) -> tuple:
         return None, None
     if not isinstance(rid, str):
         raise bad("'previous_response_id' must be a string", "previous_response_id")
-    gateway.store.expire()
-    found = gateway.store.linked(rid)
+    store.expire()
+    found = store.linked(rid)
     if found is None:
-        raise bad(f"Previous response with id '{rid}' not found: it was never stored here (store: false), or its "
+        raise bad(f"Previous response with id '{rid:.80}' not found: it was never stored here (store: false), or its "
                   "session was finished (session_ttl, max_sessions) or cleared", "previous_response_id",
                   "previous_response_not_found")
     return found
 
 
-def responses_routes(gateway, error):
-    """The FastAPI endpoints (create, retrieve) of the Responses API over `gateway` (a `Gateway`)."""
-    from fastapi import Request
-    from fastapi.responses import JSONResponse
+def parse(body, ctx) -> GenRequest:
+    """A Responses request as the chat pipeline's `GenRequest`, continuing its previous response's session."""
+    session, link = previous(ctx.store, body)
+    history = link.conversation if link is not None else []
+    body_chat, new = chat_body(body, history)
+    req = chat.parse(body_chat, ctx)
+    options = ResponsesOptions(body, history, new, req.options, new_id("resp"), new_id("msg"), int(time.time()))
+    return dataclasses.replace(req, stream=bool(body.get("stream")), options=options,
+                               session=(session.name, session.explicit) if session is not None else None)
 
-    async def create(request: Request):
+
+def render(result: Result, req: GenRequest, ctx) -> dict:
+    """The Response of the finished call, linked to its session when stored."""
+    opts: ResponsesOptions = req.options
+    payload = chat.render(result, dataclasses.replace(req, options=opts.chat), ctx)
+    response = response_object(opts.rid, ctx.model_name, opts.body, payload, opts.message_id,
+                               created_at=opts.created)
+    if opts.body.get("store") is not False and result.session is not None:
+        conversation = [*opts.history, *opts.new, reply_message(payload["choices"][0])]
+        ctx.store.link(opts.rid, result.session, Link(conversation, response))
+    return response
+
+
+def stream(started, events, req: GenRequest, ctx):
+    """The Response's events: the message's text deltas as the row samples, then the final Response."""
+    from SimpleTorchLLMRL.gateway.streaming import TextDelta, sse_stream
+
+    opts: ResponsesOptions = req.options
+    start = response_object(opts.rid, ctx.model_name, opts.body, None, opts.message_id, created_at=opts.created)
+    finished: list[dict] = []
+
+    async def deltas():
+        async for event in events:
+            if isinstance(event, TextDelta):
+                yield event.text
+            elif isinstance(event, Finished):
+                finished.append(render(event.result, req, ctx))
+
+    async def finish() -> dict:
+        return finished[0]
+
+    async def guarded():
+        """The events; a call that fails after the headers went out ends with an `error` event (OpenAI's
+        streamed error), not a dropped connection. A client that leaves cancels the call."""
+        seq = -1
         try:
-            body = parse_json(await read_body(request, gateway.max_body_bytes))
-            session, link = previous(gateway, body)
-            history = link.conversation if link is not None else []
-            chat, new = chat_body(body, history)
-            if session is not None:  # the link names the session: continue it there
-                name, explicit = session.name, session.explicit
-            else:
-                name, explicit = gateway.session_of(request.headers)
-            recorded = []
-            try:  # the chat path's checks and call; its 400s name the Responses fields
-                req = parse_request(chat, gateway.model_name, gateway.defaults, gateway.vocab_size,
-                                    gateway.tool_parsers)
-                check_prompt_size(req, gateway.generator.max_context)
-                if body.get("stream"):
-                    req = dataclasses.replace(req, stream=True)  # deltas as the row samples
-                    events = gateway.reply_events(name, req, request, explicit=explicit, on_record=recorded.append)
-                    try:
-                        await anext(events)  # queued: what cannot be generated is a 4xx before any event
-                    except BaseException:
-                        await events.aclose()
-                        raise
-                else:
-                    payload = await until_disconnect(request, gateway._complete(
-                        name, req, request, explicit=explicit, on_record=recorded.append))
-            except RequestError as e:
-                raise as_responses_error(e) from e
-        except RequestError as e:
-            return error(e)
-        if not body.get("stream") and payload is None:  # the client left: its rows stopped, nothing recorded
-            return JSONResponse({}, status_code=499)
-        rid, message_id, created = new_id("resp"), new_id("msg"), int(time.time())
+            async for e in stream_events(start, opts.message_id, deltas(), finish):
+                seq = e["sequence_number"]
+                yield e
+        except Exception as exc:  # noqa: BLE001  (the status line is sent: the error goes in the stream)
+            err = respell(exc if isinstance(exc, RequestError) else RequestError(
+                500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+            yield {"type": "error", "sequence_number": seq + 1, "code": err.code, "message": err.message,
+                   "param": err.param}
+        finally:
+            await events.aclose()
 
-        def answer(payload: dict) -> dict:
-            """The Response of the finished call, linked to its session when stored."""
-            response = response_object(rid, gateway.model_name, body, payload, message_id, created_at=created)
-            if body.get("store") is not False and recorded:
-                conversation = [*history, *new, reply_message(payload["choices"][0])]
-                gateway.store.link(rid, recorded[0], Link(conversation, response))
-            return response
+    return sse_stream(guarded(), ctx.error_body, named=True, done=False)
 
-        if not body.get("stream"):
-            return JSONResponse(answer(payload))
-        start = response_object(rid, gateway.model_name, body, None, message_id, created_at=created)
-        finished: list[dict] = []
 
-        async def deltas():
-            """The reply's shown text as it is sampled (`Gateway.reply_events`), then the call's payload kept."""
-            async for event in events:
-                if isinstance(event, TextDelta):
-                    yield event.text
-                elif isinstance(event, Finished):
-                    finished.append(completion_payload(new_id("chatcmpl"), gateway.model_name, event.choices,
-                                                       event.prompt_ids, req.return_token_ids))
-
-        async def finish() -> dict:
-            return answer(finished[0])
-
-        async def guarded():
-            """The events; a call that fails after the headers went out ends the stream with an `error` event
-            (OpenAI's streamed error), not a dropped connection. A client that leaves cancels the call."""
-            seq = -1
-            async with contextlib.aclosing(events):
-                try:
-                    async for e in stream_events(start, message_id, deltas(), finish):
-                        seq = e["sequence_number"]
-                        yield e
-                except Exception as exc:  # noqa: BLE001  (the status line is sent: the error goes in the stream)
-                    err = as_responses_error(exc if isinstance(exc, RequestError) else RequestError(
-                        500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
-                    yield {"type": "error", "sequence_number": seq + 1, "code": err.code, "message": err.message,
-                           "param": err.param}
-
-        return sse_response(guarded())
+def retrieve_route(gateway):
+    """GET /v1/responses/{response_id}: a linked response while its session lives, else a 404."""
 
     async def retrieve(response_id: str):
         gateway.store.expire()
         found = gateway.store.linked(response_id)
         if found is None:
-            return error(RequestError(404, f"No response found with id '{response_id}': responses are kept while "
-                                           "their session lives, and only when stored (store: true)",
-                                      code="response_not_found", param="response_id"))
+            return gateway.error(RequestError(404, f"No response found with id '{response_id:.80}': responses are "
+                                                   "kept while their session lives, and only when stored",
+                                              code="response_not_found", param="response_id"))
         return found[1].response
 
-    return create, retrieve
+    return retrieve

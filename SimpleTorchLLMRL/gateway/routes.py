@@ -1,19 +1,19 @@
-"""The gateway's routes besides chat, and every error in OpenAI's shape.
+"""Every error in OpenAI's shape, and the routes that are not a generation (model listing).
 
-    install(gateway, app, error)     # GET /v1/models/{id}, POST /v1/completions, /v1/responses, OpenAI errors
+    install(gateway, app)                        # GET /v1/models/{id}; 404 / 405 / 400 handlers
     uvicorn.Config(app, http=http_protocol())    # uvicorn's own 400 (a malformed HTTP request) as JSON too
 
 Every answer that is not a success is `{"error": {"message", "type", "code", "param"}}` (OpenAI's
-shape): an unknown route (404, naming the method and path), a wrong method
-(405, with `Allow`), FastAPI's request validation (400, not 422), and the bytes uvicorn writes itself
-when a request is not valid HTTP (400).
+shape): an unknown route (404, naming the method and path; FastAPI's own /openapi.json, /docs and /redoc
+are off, so they are 404s too), a wrong method (405, with `Allow`), FastAPI's request validation (400, not
+422), and the bytes uvicorn writes itself when a request is not valid HTTP (400).
 """
 
 from __future__ import annotations
 
 import json
 
-from SimpleTorchLLMRL.gateway.openai_format import RequestError
+from SimpleTorchLLMRL.gateway.request import RequestError
 
 ROUTES = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/responses/{id}, "
           "GET /v1/models, GET /v1/models/{model}, GET /health")
@@ -31,13 +31,12 @@ def model_object(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "SimpleTorchLLMRL"}
 
 
-def install(gateway, app, error) -> None:
-    """Add the routes and the error handlers to `app` (the gateway's FastAPI app). error: RequestError -> response."""
+def install(gateway, app) -> None:
+    """Add the model routes and the error handlers to `app` (the gateway's FastAPI app)."""
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
 
-    from SimpleTorchLLMRL.gateway.completions import completions_route
-    from SimpleTorchLLMRL.gateway.responses_route import responses_routes
+    error = gateway.error
 
     @app.exception_handler(HTTPException)
     async def http_exception(request, exc: HTTPException):
@@ -71,10 +70,17 @@ def install(gateway, app, error) -> None:
                                          f"'{gateway.model_name}'", "model_not_found", "model"))
         return model_object(gateway.model_name)
 
-    app.post("/v1/completions")(completions_route(gateway, error))
-    create, retrieve = responses_routes(gateway, error)
-    app.post("/v1/responses")(create)
-    app.get("/v1/responses/{response_id}")(retrieve)
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_object(gateway.model_name)]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request, exc: Exception):  # the server keeps serving
+        return error(RequestError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
 
 
 # ----------------------------------------------------------------------------- uvicorn's own answers

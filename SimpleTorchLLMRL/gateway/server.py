@@ -1,4 +1,4 @@
-"""`Gateway`: an OpenAI-compatible chat endpoint over a `ModelGenerate` that records what it sampled.
+"""`Gateway`: an OpenAI-compatible server over a `ModelGenerate` that records what it sampled.
 
     gw = Gateway(generator)                                  # HF or vLLM backend
     with gw.serve(host="127.0.0.1", port=0) as url:          # url: "http://127.0.0.1:PORT/v1"
@@ -6,11 +6,16 @@
         ...                                                  # any agent written against the OpenAI API
     rollouts = gw.rollouts("episode-17")                     # list[Rollout], ready for GRPO
 
-Routes: POST /v1/chat/completions, GET /v1/models, GET /health; POST /v1/completions, GET /v1/models/{id}
-and OpenAI-shaped errors for everything else: `gateway.routes`; POST /v1/responses (the Responses API,
-translated onto the chat path): `gateway.responses_route`. A session is named by the
-`X-Session-Id` header, else by the API key (`Authorization: Bearer ...`). How calls of a
-session become rollouts: `gateway.sessions`. Wire format: `gateway.openai_format`.
+One pipeline serves every route; a route only supplies the two ends (`Route`):
+
+    parse (wire -> GenRequest) -> grammar (built and compiled off the event loop, within a budget)
+      -> session plan (merge / fork: `gateway.sessions`) -> encode (off the event loop)
+      -> run (`gateway.batcher`; a stream's `streaming.Listener`) -> record -> render (Result -> wire)
+
+Routes: POST /v1/chat/completions (`chat`), POST /v1/completions (`completions`), POST /v1/responses and
+GET /v1/responses/{id} (`responses_route`), GET /v1/models, GET /v1/models/{id}, GET /health and errors in
+OpenAI's shape (`routes`). A session is named by the `X-Session-Id` header, else by the API key
+(`Authorization: Bearer ...`). A new route is a parse and a render function added to `routes()`.
 """
 
 
@@ -20,47 +25,30 @@ import dataclasses
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
 
-from SimpleTorchLLMRL.chat.message import Message, Rollout
+from SimpleTorchLLMRL.chat.message import Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
 from SimpleTorchLLMRL.gateway.batcher import Batcher, Job
-from SimpleTorchLLMRL.gateway.limits import DEFAULT_MAX_BODY_BYTES, check_prompt_size, parse_json, read_body
-from SimpleTorchLLMRL.gateway.openai_format import (
-    ChatRequest,
-    RequestError,
-    bad,
-    completion_payload,
-    finish_reason,
-    logprobs_payload,
-    new_id,
-    parse_request,
-    reply_view,
-    shown_text,
-    top_logprobs,
-)
-from SimpleTorchLLMRL.gateway.routes import http_protocol
-from SimpleTorchLLMRL.gateway.routes import install as install_routes
-from SimpleTorchLLMRL.gateway.sessions import SessionStore, shown_view
-from SimpleTorchLLMRL.gateway.streaming import (
-    DONE,
-    RESET,
+from SimpleTorchLLMRL.gateway.chat import reply_choice
+from SimpleTorchLLMRL.gateway.request import (
+    DEFAULT_MAX_BODY_BYTES,
     Finished,
-    Listener,
-    RowText,
+    GenRequest,
+    RequestError,
+    Result,
     Started,
-    TextDelta,
-    chunk,
-    head_chunks,
-    next_ids,
-    sse_stream,
-    tail_chunks,
-    tool_openings,
-    until_disconnect,
+    bad,
+    check_prompt_size,
+    parse_json,
+    read_body,
 )
+from SimpleTorchLLMRL.gateway.sessions import NamedLocks, Plan, SessionStore, shown_view
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 
 ANONYMOUS = "default"
+INLINE_BYTES = 64 * 1024  # bodies up to this size are parsed on the event loop, larger ones on a thread
 
 
 def _fastapi():
@@ -82,6 +70,35 @@ def session_name(headers) -> str:
     return key or ANONYMOUS
 
 
+@dataclass(frozen=True)
+class Route:
+    """A generation route's two ends. parse(body, gateway) -> GenRequest; render(result, req, gateway) -> a
+    JSON-ready dict (or a response); stream(started, events, req, gateway) -> the streaming response of a live
+    stream (None: the route renders streams itself); respell(RequestError) -> the error as the route names
+    its fields; longest: the most items a top-level list field may hold (refused before the rest of a large
+    body is decoded)."""
+
+    path: str
+    parse: Callable
+    render: Callable
+    stream: Callable | None = None
+    respell: Callable | None = None
+    longest: dict[str, int] | None = None  # top-level list fields' limits, checked while a large body is read
+
+
+def routes() -> list[Route]:
+    import SimpleTorchLLMRL.gateway.chat as chat
+    import SimpleTorchLLMRL.gateway.completions as completions
+    import SimpleTorchLLMRL.gateway.responses_route as responses_route
+    from SimpleTorchLLMRL.gateway.streaming import chat_stream
+
+    tools = {"tools": chat.MAX_TOOLS}
+    return [Route("/v1/chat/completions", chat.parse, chat.render, chat_stream, longest=tools),
+            Route("/v1/completions", completions.parse, completions.render),
+            Route("/v1/responses", responses_route.parse, responses_route.render, responses_route.stream,
+                  responses_route.respell, longest=tools)]
+
+
 class Gateway:
     """An OpenAI-compatible server over `generator` that records each session's calls as rollouts.
 
@@ -94,33 +111,42 @@ class Gateway:
     others until none has come for `window` seconds (at most `max_batch` per batch; `gateway.batcher`).
     tool_parsers: how tool calls are read from sampled text (default: Hermes / Qwen `<tool_call>`
     JSON, `tools.parsers.JsonToolCallParser`). max_body_bytes: larger request bodies get 413, refused
-    before they are read (`gateway.limits`). session_ttl: seconds a session may stay idle before it is
-    finished (its open rollouts written to `record_to`, then forgotten); max_sessions: past this many
-    open sessions the least recently used one is finished the same way (None: no limit; see
-    `gateway.sessions`). clock: the time source of the TTL (tests pass a fake one).
+    before they are read. session_ttl: seconds a session may stay idle before it is finished (its open
+    rollouts written to `record_to`, then forgotten); max_sessions: past this many open sessions the least
+    recently used one is finished the same way (None: no limit; `gateway.sessions`). compile_budget: seconds
+    a request's grammar (response_format, forced tool calls) may take to build and compile before the
+    request is a 400 naming the field (`gateway.structured`). clock: the time source of the TTL.
     """
 
     def __init__(self, generator, *, model_name: str = "policy", record_to=None, window: float = 0.02,
                  max_batch: int = 64, tool_parsers: Sequence | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, session_ttl: float | None = None,
-                 max_sessions: int | None = None, clock=time.monotonic):
+                 max_sessions: int | None = None, compile_budget: float = 10.0, clock=time.monotonic):
         if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be a positive number of bytes, got {max_body_bytes!r}")
-        self.generator, self.model_name = generator, model_name
+        if not compile_budget > 0:
+            raise ValueError(f"compile_budget must be a positive number of seconds, got {compile_budget!r}")
+        self.generator, self.model_name, self.tool_parsers = generator, model_name, tool_parsers
+        self.tokenizer = generator.tokenizer
         # the defaults requests are parsed against: copied once, so a generation in flight with a
         # request's own settings can never leak into the parsing of another request
         self.defaults = dataclasses.replace(generator.config)
         self.vocab_size = len(generator.tokenizer)  # the token ids a request's logit_bias may name
-        self.max_body_bytes = max_body_bytes
-        self.tool_parsers = tool_parsers
+        self.supports_top_logprobs = generator.backend.supports_top_logprobs
+        self.max_body_bytes, self.compile_budget = max_body_bytes, compile_budget
         self.store = SessionStore(ttl=session_ttl, max_sessions=max_sessions, on_finish=self._write, clock=clock)
+        self.locks = NamedLocks()  # X-Session-Id -> its calls' lock, while one is in flight
         self.batcher = Batcher(generator, window, max_batch)
+        self._grammars = None  # structured.GrammarCompiler, made for the first request with a grammar
         self._writer = None
         if record_to is not None:
             from SimpleTorchLLMRL.chat.rollout_io import RolloutWriter
 
             self._writer = RolloutWriter(record_to)
-        self._locks: dict[str, asyncio.Lock] = {}
+
+    @property
+    def max_context(self) -> int | None:
+        return self.generator.max_context
 
     # ------------------------------------------------------------------ the Python API
 
@@ -135,7 +161,6 @@ class Gateway:
     def clear(self, session: str) -> list[Rollout]:
         """Forget the session; returns its rollouts (the ones not yet final are written to `record_to` now)."""
         popped = self.store.pop(session)
-        self._locks.pop(session, None)
         self._write([r for s in popped for r in s.open_rollouts()])
         return [r for s in popped for r in s.rollouts()]
 
@@ -145,6 +170,8 @@ class Gateway:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._grammars is not None:
+            self._grammars.close()
 
     def _write(self, rollouts: list[Rollout]) -> None:
         if self._writer is not None and rollouts:
@@ -153,6 +180,8 @@ class Gateway:
     @contextlib.contextmanager
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
         """Run the server in a background thread; yields the `.../v1` base URL (port 0: a free port)."""
+        from SimpleTorchLLMRL.gateway.routes import http_protocol
+
         _, uvicorn = _fastapi()
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -177,9 +206,10 @@ class Gateway:
     # ------------------------------------------------------------------ the HTTP app
 
     def app(self):
-        """The FastAPI application (serve it with any ASGI server)."""
+        """The FastAPI application (serve it with any ASGI server): only the documented routes answer."""
         fastapi, _ = _fastapi()
-        from fastapi.responses import JSONResponse
+        from SimpleTorchLLMRL.gateway.responses_route import retrieve_route
+        from SimpleTorchLLMRL.gateway.routes import install
 
         @contextlib.asynccontextmanager
         async def lifespan(_app):
@@ -189,158 +219,161 @@ class Gateway:
             sweeper.cancel()
             await self.batcher.stop()
 
-        app = fastapi.FastAPI(lifespan=lifespan)
-
-        def error(e: RequestError) -> JSONResponse:  # after a 413 the unread body is not drained: close
-            return JSONResponse(e.body(), status_code=e.status, headers={"connection": "close"} if e.status == 413 else None)
-
-        @app.exception_handler(Exception)
-        async def unexpected(_request, exc: Exception):  # the server keeps serving
-            return error(RequestError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
-
-        install_routes(self, app, error)  # /v1/models/{id}, /v1/completions, 404 / 405 / 400 in OpenAI's shape
-
-        @app.get("/health")
-        async def health():
-            return {"status": "ok"}
-
-        @app.get("/v1/models")
-        async def models():
-            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                                "owned_by": "SimpleTorchLLMRL"}]}
-
-        @app.post("/v1/chat/completions")
-        async def chat(request: fastapi.Request):
-            try:
-                body = parse_json(await read_body(request, self.max_body_bytes))
-                req = parse_request(body, self.model_name, self.defaults, self.vocab_size, self.tool_parsers)
-                check_prompt_size(req, self.generator.max_context)
-                if req.stream:  # headers as soon as the call is queued; chunks as the rows sample
-                    return await self._stream(self.reply_events(session_name(request.headers), req, request), req,
-                                              lambda e: _as_request_error(e).body())
-                payload = await until_disconnect(request, self._complete(session_name(request.headers), req, request))
-            except RequestError as e:
-                return error(e)
-            if payload is None:  # the client left before its answer was ready: its rows stopped, nothing recorded
-                return JSONResponse({}, status_code=499)
-            return JSONResponse(payload)
-
+        app = fastapi.FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+        install(self, app)  # /health, /v1/models, /v1/models/{id}; 404 / 405 / 400 / 500 in OpenAI's shape
+        for route in routes():
+            app.post(route.path)(self._handler(route))
+        app.get("/v1/responses/{response_id}")(retrieve_route(self))
         return app
 
-    # ------------------------------------------------------------------ one call
+    def error(self, e: RequestError):
+        """The response of a refused request (after a 413 the unread body is not drained: close)."""
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse(e.body(), status_code=e.status, headers={"connection": "close"} if e.status == 413 else None)
+
+    @staticmethod
+    def error_body(e: BaseException) -> dict:
+        """An exception as the error payload a stream ends with."""
+        if not isinstance(e, RequestError):
+            e = RequestError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+        return e.body()
 
     @staticmethod
     def session_of(headers) -> tuple[str, bool]:
         """(the session a request names, whether an X-Session-Id names it): `session_name` and its kind."""
         return session_name(headers), bool(headers.get("x-session-id"))
 
-    async def reply_events(self, name: str, req: ChatRequest, request=None, *, explicit: bool | None = None,
-                           on_record=None) -> AsyncIterator[Started | TextDelta | Finished]:
-        """One chat call of session `name` as it happens: `Started` (queued), `TextDelta`s (with `req.stream`,
-        as the rows sample; else the whole content at the end), then `Finished` once it is recorded.
+    def _handler(self, route: Route):
+        """The endpoint of a generation route: read, parse, run the pipeline, render (or stream)."""
+        from fastapi import Request
+        from fastapi.responses import JSONResponse
 
-        The delta source of the chat route's stream (and of any other route that streams a reply). Closing
-        the iterator before `Finished` (the client left) cancels the call: its rows stop within a few decode
-        steps and nothing is recorded. Raises `RequestError` for a request that cannot be generated.
-        explicit: the session is named by X-Session-Id (default: read from `request`'s headers).
-        on_record(session): called once the call is recorded in it (POST /v1/responses links its response
-        id to it)."""
-        # an X-Session-Id session's calls run in order (each merges onto the previous, or forks);
-        # calls named by an API key only are matched to that key's open sessions by prefix, in parallel
-        if explicit is None:
-            explicit = request is not None and bool(request.headers.get("x-session-id"))
-        lock = self._locks.setdefault(name, asyncio.Lock()) if explicit else contextlib.nullcontext()
-        async with lock:
-            self.store.expire()
-            session, plan = self.store.open(name, req, explicit=explicit)
-            listener, future = Listener(asyncio.get_running_loop(), stream=req.stream), None
+        async def handle(request: Request):
             try:
-                with self.batcher.expect():  # a batch being formed waits for this call
-                    prompt_ids, sampling = await asyncio.to_thread(self._prompt_ids, plan.prompt, req)
-                    future = self.batcher.enqueue(Job(plan.prompt, sampling, req.n, req.seed, prompt_ids, listener))
-                future.add_done_callback(lambda _: listener.queue.put_nowait(DONE))
-                yield Started(prompt_ids)
-                rows = [self._row_text(req) for _ in range(req.n)]
-                while True:
-                    new, mark = await next_ids(listener.queue)
-                    for j, ids in sorted(new.items()):
-                        text = rows[j].feed(ids)
-                        if text:
-                            yield TextDelta(j, text)
-                    if mark is DONE:
-                        break
-                    if mark is RESET:  # a retry: the rows start over (what was shown stays shown)
-                        rows = [dataclasses.replace(self._row_text(req), sent=r.sent) for r in rows]
-                try:
-                    replies = future.result()
-                except ValueError as e:
-                    raise bad(str(e)) from e
-                choices, shown = [], []
-                for i, msg in enumerate(replies):
-                    content, calls = reply_view(shown_text(msg, req.stop), req.tools, self.tool_parsers)
-                    shown.append(shown_view(content, calls))
-                    choices.append(await self._choice(i, msg, content, calls, prompt_ids, req))
-                for i, row in enumerate(rows):
-                    rest = row.rest(choices[i]["message"]["content"])
-                    if rest:
-                        yield TextDelta(i, rest)
-                self.store.record(session, plan, replies, shown)
-                if on_record is not None:
-                    on_record(session)
-            except BaseException:  # the client left (cancelled, closed) or the call failed: stop its rows
-                listener.cancel()
-                if future is not None:
-                    future.cancel()
-                raise
-            finally:
-                self.store.release(session)
-        self._write(plan.closed)
-        yield Finished(choices, replies, prompt_ids)
+                raw = await read_body(request, self.max_body_bytes)
+                if len(raw) > INLINE_BYTES:  # a large body is parsed on a worker thread, not the event loop
+                    req = await asyncio.to_thread(lambda: route.parse(parse_json(raw, True, route.longest), self))
+                else:
+                    req = route.parse(parse_json(raw), self)
+                check_prompt_size(req, self.max_context)
+                where = req.session or self.session_of(request.headers)
+                if req.stream and route.stream is not None:
+                    return await self._stream(route, req, where)
+                result = await until_disconnect(request, self.complete(req, where))
+                if result is None:  # the client left before its answer was ready: rows stopped, nothing recorded
+                    return JSONResponse({}, status_code=499)
+                out = route.render(result, req, self)
+            except RequestError as e:
+                return self.error(route.respell(e) if route.respell is not None else e)
+            return JSONResponse(out) if isinstance(out, dict) else out
 
-    def _row_text(self, req: ChatRequest) -> RowText:
-        openings = tool_openings(self.tool_parsers) if req.tools else ()
-        return RowText(self.generator.tokenizer, req.sampling, openings, hide=req.stop)
+        return handle
 
-    async def _complete(self, name: str, req: ChatRequest, request, explicit: bool | None = None,
-                        on_record=None) -> dict:
-        """The `chat.completion` object of one call (`reply_events` run to its end)."""
-        events = self.reply_events(name, req, request, explicit=explicit, on_record=on_record)
-        async with contextlib.aclosing(events):
-            async for event in events:
-                if isinstance(event, Finished):
-                    return completion_payload(new_id(), self.model_name, event.choices, event.prompt_ids,
-                                              req.return_token_ids)
-        raise RuntimeError("the call ended without a result")
+    async def _stream(self, route: Route, req: GenRequest, where: tuple[str, bool]):
+        """A live stream: what cannot be generated is a 4xx before the headers; then the route's events."""
+        from SimpleTorchLLMRL.gateway.streaming import Listener
 
-    async def _stream(self, events: AsyncIterator, req: ChatRequest, error_body):
-        """The call's `chat.completion.chunk` stream: a 4xx before anything was sent when the call cannot be
-        queued; then a role chunk per choice at once, content chunks as the rows sample, at the end each
-        choice's tool calls and finish_reason (and usage when asked). A client that hangs up cancels the call."""
+        events = self.events(req, where, Listener.of(req, self.tokenizer, self.tool_parsers))
         try:
             started = await anext(events)
         except BaseException:
             await events.aclose()
             raise
-        base = {"id": new_id(), "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": self.model_name}
+        return route.stream(started, events, req, self)
 
-        async def chunks():
-            async with contextlib.aclosing(events):
-                for c in head_chunks(base, req.n, started.prompt_ids if req.return_token_ids else None):
-                    yield c
-                async for event in events:
-                    if isinstance(event, TextDelta):
-                        yield chunk(base, event.index, {"content": event.text})
-                    elif isinstance(event, Finished):
-                        for choice in event.choices:
-                            for c in tail_chunks(base, choice, ""):
-                                yield c
-                        if req.include_usage:
-                            done = completion_payload(base["id"], self.model_name, event.choices, event.prompt_ids,
-                                                      False)
-                            yield {**base, "choices": [], "usage": done["usage"]}
+    # ------------------------------------------------------------------ the pipeline
 
-        return sse_stream(chunks(), error_body)
+    async def complete(self, req: GenRequest, where: tuple[str, bool]) -> Result:
+        """One request through the pipeline to its result (`events` run to `Finished`)."""
+        events = self.events(req, where)
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if isinstance(event, Finished):
+                    return event.result
+        raise RuntimeError("the call ended without a result")
+
+    async def events(self, req: GenRequest, where: tuple[str, bool], listener=None) -> AsyncIterator:
+        """The pipeline of one request: `Started` once queued, a stream's `TextDelta`s (with a `listener`), then
+        `Finished` once recorded. Closing it before `Finished` (the client left) cancels the call: its rows stop
+        within a few decode steps and nothing is recorded. `where`: (session name, named by X-Session-Id)."""
+        sampling = req.sampling if req.grammar is None else await self.grammars().sampling(req.grammar, req.sampling)
+        conversation = req.messages is not None
+        # an X-Session-Id session's calls run in order (each merges onto the previous, or forks);
+        # calls named by an API key only are matched to that key's open sessions by prefix, in parallel
+        async with self.locks.hold(where[0]) if conversation and where[1] else contextlib.nullcontext():
+            if conversation:
+                self.store.expire()
+            session, plan = self.store.open(where[0], req, explicit=where[1]) if conversation else (None, None)
+            jobs: list[Job] = []
+            try:
+                with self.batcher.expect():  # a batch being formed waits for this call
+                    prompts, sampling = await asyncio.to_thread(self._encode, req, plan, sampling)
+                    if listener is not None:
+                        listener.use(sampling)
+                    jobs = [self.batcher.enqueue(Job(ids, sampling, req.n, req.seed, listener, k * req.n))
+                            for k, ids in enumerate(prompts)]
+                yield Started(prompts)
+                if listener is not None:
+                    async for delta in listener.deltas(jobs):
+                        yield delta
+                result = await self._result(req, prompts, jobs, session)
+                if listener is not None:
+                    for delta in listener.rest(result):
+                        yield delta
+                if session is not None:
+                    self.store.record(session, plan, [c.message for c in result.choices],
+                                      [shown_view(c.content, c.tool_calls) for c in result.choices])
+            except BaseException:  # the client left (cancelled, closed) or the call failed: stop its rows
+                for job in jobs:
+                    job.cancel()
+                raise
+            finally:
+                if session is not None:
+                    self.store.release(session)
+        self._write(plan.closed if plan is not None else [])
+        yield Finished(result)
+
+    def grammars(self):
+        if self._grammars is None:
+            from SimpleTorchLLMRL.gateway.structured import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.generator.backend.prepare_grammar, self.compile_budget)
+        return self._grammars
+
+    def _encode(self, req: GenRequest, plan: Plan | None, sampling: SamplingConfig):
+        """The prompts' ids (a conversation by its template, as sampled; raw text as it is) and the call's
+        settings; 400 when they do not fit. A request that left max_tokens out gets the default cut to the
+        context that the prompt leaves (as OpenAI and vLLM do); one that set it gets a 400."""
+        param = "messages" if plan is not None else "prompt"
+        try:
+            prompts = ([encode_prompt(plan.prompt, self.tokenizer)] if plan is not None
+                       else [self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in req.prompts])
+        except ValueError as e:
+            raise bad(f"the {param} cannot be encoded for this model: {e}", param) from e
+        if not all(prompts):
+            raise bad(f"a {param} encodes to no tokens", param)
+        longest, ctx = max(len(p) for p in prompts), self.max_context
+        if ctx is not None and longest + sampling.max_new_tokens > ctx:
+            if not req.max_tokens_given and longest < ctx:
+                sampling = dataclasses.replace(sampling, max_new_tokens=ctx - longest)
+            else:
+                raise bad(f"this model's context is {ctx} tokens; the {param} is {longest} tokens and max_tokens is "
+                          f"{sampling.max_new_tokens}: shorten it or lower max_tokens", param, "context_length_exceeded")
+        return prompts, sampling
+
+    async def _result(self, req: GenRequest, prompts: list[list[int]], jobs: list[Job], session) -> Result:
+        """The call's choices as shown (`chat.reply_choice`), with their top log-probs when asked."""
+        try:
+            replies = [await job.future for job in jobs]
+        except ValueError as e:
+            raise bad(str(e)) from e
+        choices = [reply_choice(k * req.n + j, msg, req, self.tool_parsers, prompt=k)
+                   for k, msgs in enumerate(replies) for j, msg in enumerate(msgs)]
+        for c in choices if req.top_logprobs else ():
+            c.top = await asyncio.to_thread(self.generator.backend.top_logprobs, prompts[c.prompt],
+                                            list(c.message.token_ids), c.message.temperature or 1.0, req.top_logprobs)
+        return Result(prompts, choices, session)
 
     async def _sweep(self) -> None:
         """Finish the sessions idle past the TTL while no calls come (calls also expire them)."""
@@ -350,43 +383,25 @@ class Gateway:
             await asyncio.sleep(min(max(self.store.ttl / 4, 0.01), 5.0))
             self.store.expire()
 
-    def _prompt_ids(self, prompt: Rollout, req: ChatRequest) -> tuple[list[int], SamplingConfig]:
-        """The ids the model will be conditioned on (as-sampled encoder) and the call's sampling settings; 400
-        when they do not fit. A request that left max_tokens out gets the default cut to the context that the
-        prompt leaves (as OpenAI and vLLM do); one that set it gets a 400 when prompt + max_tokens do not fit."""
-        try:
-            ids = encode_prompt(prompt, self.generator.tokenizer)
-        except ValueError as e:
-            raise bad(f"the messages cannot be encoded for this model: {e}", "messages") from e
-        sampling, ctx = req.sampling, self.generator.max_context
-        if ctx is not None and len(ids) + sampling.max_new_tokens > ctx:
-            if not req.max_tokens_given and len(ids) < ctx:
-                sampling = dataclasses.replace(sampling, max_new_tokens=ctx - len(ids))
-            else:
-                raise bad(f"this model's context is {ctx} tokens; the messages are {len(ids)} tokens and max_tokens is "
-                          f"{sampling.max_new_tokens}: shorten the messages or lower max_tokens",
-                          "messages", "context_length_exceeded")
-        if req.top_logprobs and not self.generator.backend.supports_top_logprobs:
-            raise bad("top_logprobs needs the HF backend (this gateway runs vLLM); use logprobs without it",
-                      "top_logprobs")
-        return ids, sampling
 
-    async def _choice(self, i: int, msg: Message, content, calls, prompt_ids, req: ChatRequest) -> dict:
-        finish = finish_reason(msg.finish_reason, calls)
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-        out = {"index": i, "message": message, "finish_reason": finish, "logprobs": None,
-               "token_ids": list(msg.token_ids)}
-        if req.logprobs:
-            top = None
-            if req.top_logprobs:
-                top = await asyncio.to_thread(top_logprobs, self.generator, prompt_ids, msg, req.top_logprobs)
-            out["logprobs"] = logprobs_payload(self.generator.tokenizer, msg.token_ids, msg.logprobs, top)
-        return out
+async def until_disconnect(request, work):
+    """`await work`, unless the client hangs up first: then `work` is cancelled (a call's rows stop) and the
+    result is None. The disconnect is ASGI's `http.disconnect`, which uvicorn sends once the connection drops."""
+    task = asyncio.ensure_future(work)
 
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
-def _as_request_error(e: BaseException) -> RequestError:
-    if isinstance(e, RequestError):
-        return e
-    return RequestError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+    return task.result()

@@ -33,21 +33,26 @@ Links (`SessionStore.link` / `linked`): a key (a Responses API response id) name
 response's conversation) for as long as its session lives, so `previous_response_id` continues
 the session; the links of a finished session go with it, and a session keeps its last
 `MAX_LINKS` only.
+
+Calls of one X-Session-Id run in order under that name's lock (`NamedLocks`): a lock exists only while a
+call holds or waits for it, so the locks are bounded by the calls in flight, never by the names seen.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from SimpleTorchLLMRL.chat.message import Message, Rollout
-from SimpleTorchLLMRL.gateway.openai_format import ChatRequest, to_message
+from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+from SimpleTorchLLMRL.gateway.request import GenRequest
 
 MAX_LINKS = 256  # links a session keeps (its latest responses); older ones are forgotten
 
@@ -63,6 +68,13 @@ def view(turn: dict) -> tuple:
     return role, content, name, turn.get("tool_call_id") if role == "tool" else None, calls
 
 
+def to_message(turn: dict) -> Message:
+    """A normalized message as a `Message`. An assistant turn the client sent is context: not trained."""
+    kind = MessageType.from_role(turn["role"])
+    return Message(turn["content"], kind, name=turn.get("name"), tool_calls=turn.get("tool_calls"),
+                   tool_call_id=turn.get("tool_call_id"), trainable=False if kind is MessageType.MODEL else None)
+
+
 def shown_view(content: str | None, tool_calls: list[dict]) -> tuple:
     """`view` of a reply as the client was shown it (tool-call arguments there are JSON strings)."""
     calls = [{"function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
@@ -70,7 +82,7 @@ def shown_view(content: str | None, tool_calls: list[dict]) -> tuple:
     return view({"role": "assistant", "content": content or "", "tool_calls": calls})
 
 
-def options_of(req: ChatRequest) -> str:
+def options_of(req: GenRequest) -> str:
     """The call's tools and template options, as one comparable string."""
     return json.dumps([req.tools, req.template_kwargs], sort_keys=True, default=str)
 
@@ -118,9 +130,9 @@ class Session:
     last_used: float = 0.0
     links: list[str] = field(default_factory=list)  # keys linked to it (SessionStore.link), oldest first
 
-    def plan(self, req: ChatRequest) -> Plan:
+    def plan(self, req: GenRequest) -> Plan:
         """Merge onto the branch when the request extends it by one of its replies; fork otherwise."""
-        b, views, options = self.branch, [view(t) for t in req.chat], options_of(req)
+        b, views, options = self.branch, [view(t) for t in req.messages], options_of(req)
         metadata = {"session": self.name, **({"tools": req.tools} if req.tools else {}),
                     **({"chat_template_kwargs": req.template_kwargs} if req.template_kwargs else {})}
         if b is not None and b.options == options:
@@ -128,11 +140,11 @@ class Session:
             if len(views) > k and views[:k] == b.views and views[k] in b.shown:
                 j = b.shown.index(views[k])
                 closed = [b.rollout(i) for i in range(len(b.replies)) if i != j]
-                messages = [*b.prompt.messages, named(b.replies[j], req.chat[k].get("name")),
-                            *(to_message(t) for t in req.chat[k + 1:])]
+                messages = [*b.prompt.messages, named(b.replies[j], req.messages[k].get("name")),
+                            *(to_message(t) for t in req.messages[k + 1:])]
                 return Plan(Rollout(messages, metadata), views, closed, True, options)
         closed = b.rollouts() if b is not None else []
-        return Plan(Rollout([to_message(t) for t in req.chat], metadata), views, closed, False, options)
+        return Plan(Rollout([to_message(t) for t in req.messages], metadata), views, closed, False, options)
 
     def record(self, plan: Plan, replies: list[Message], shown: list[tuple]) -> None:
         self.finished.extend(plan.closed)
@@ -183,7 +195,7 @@ class SessionStore:
 
     # -------------------------------------------------------------- one call
 
-    def open(self, name: str, req: ChatRequest, *, explicit: bool = True) -> tuple[Session, Plan]:
+    def open(self, name: str, req: GenRequest, *, explicit: bool = True) -> tuple[Session, Plan]:
         """The session the call belongs to (marked busy until `release`) and its plan.
 
         explicit: the name is an X-Session-Id: one session, merge or fork. Otherwise the call joins
@@ -207,9 +219,9 @@ class SessionStore:
         self._finish(evicted)
         return s, plan
 
-    def _match(self, name: str, req: ChatRequest) -> Session | None:
+    def _match(self, name: str, req: GenRequest) -> Session | None:
         """The idle session of `name` whose branch the request extends by one of its replies (longest first)."""
-        views, options = [view(t) for t in req.chat], options_of(req)
+        views, options = [view(t) for t in req.messages], options_of(req)
         for k in range(len(views) - 1, -1, -1):
             if views[k][0] != "assistant":
                 continue
@@ -358,3 +370,25 @@ class SessionStore:
             self._index.clear()
             self._links.clear()
             return out
+
+
+class NamedLocks:
+    """One asyncio.Lock per name while a call holds or waits for it; dropped when the last one leaves."""
+
+    def __init__(self):
+        self._locks: dict[str, list] = {}  # name -> [lock, holders and waiters]
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, name: str) -> AsyncIterator[None]:
+        entry = self._locks.setdefault(name, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._locks[name]

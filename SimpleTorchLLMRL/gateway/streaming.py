@@ -1,85 +1,40 @@
-"""Streaming and cancellation: a call's sampled ids as they arrive, shown as text deltas, and the hang-up of its
-client passed back to the decode loop.
+"""Streaming: a call's sampled ids as they arrive, shown as text deltas; the chat route's chunk stream.
 
-    listener = Listener(loop, stream=True)          # one per call, handed to the batcher with its Job
-    # worker thread (the decode loop, through model.generation.watch.DecodeWatch): listener.push([(j, ids), ...])
-    # event loop: `await listener.queue.get()` -> [(j, ids)] ... then DONE once the job's future is set
-    listener.cancel()                                # the client left: its rows stop within a few steps
+Only a request that streams runs this code: the pipeline (`server.Gateway.events`) takes a `Listener`
+for it and yields its deltas; a plain request has none.
+
+    listener = Listener(loop, rows)                  # one `RowText` per choice of the call
+    # worker thread (the decode loop, through sampling.DecodeWatch): listener.push([(choice, ids), ...])
+    async for delta in listener.deltas(jobs): ...    # TextDeltas until every job's future is set
 
 `RowText` turns one row's ids into the text that may be shown so far: it decodes incrementally (never a
 partial UTF-8 character), ends the row at an EOS id or a stop string (the text through the stop, as
 `sampling.cut_sample` cuts it), and holds back text that may still become a stop string or, with tools
 offered, a tool call (from its opening tag; tool calls go out as `tool_calls` deltas at the end).
-`stream_chunks` builds the `chat.completion.chunk` objects.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
-from collections.abc import Sequence
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from SimpleTorchLLMRL.gateway.chat import choice_object, held_suffix, tool_openings
+from SimpleTorchLLMRL.gateway.request import Finished, GenRequest, Result, new_id
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig, text_through_stop
 
-DONE = object()  # put on a listener's queue once its job's future is set
-RESET = object()  # put on it when the job is generated again (a retry): its ids start over
+RESET = object()  # put on a listener's queue when its jobs are generated again (a retry): their ids start over
 
 
-class Listener:
-    """One call's link to the decode loop: the ids its rows sample (when it streams), and its cancel flag."""
+@dataclass
+class TextDelta:
+    """More content of choice `index` (a choice's text deltas, concatenated, are its final content)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool):
-        self.loop, self.stream = loop, stream
-        self.queue: asyncio.Queue = asyncio.Queue()  # lists of (sample j, new ids); RESET; DONE
-        self._cancelled = threading.Event()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-
-    def push(self, items: list[tuple[int, list[int]]]) -> None:
-        """From the generating thread: the new ids of some of this call's samples."""
-        if self.stream and not self.cancelled:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, items)
-
-    def reset(self) -> None:
-        """From the generating thread: the call is generated again (a retry), its ids start over."""
-        if self.stream:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, RESET)
-
-
-def tool_openings(parsers: Sequence | None) -> tuple[str, ...] | None:
-    """The texts a tool call starts with under `parsers` (default: Hermes' `<tool_call>`); None when a parser
-    does not say (then a reply with tools offered is shown only once it is complete)."""
-    if not parsers:
-        return ("<tool_call>",)
-    out = []
-    for p in parsers:
-        if isinstance(getattr(p, "open_tag", None), str):
-            out.append(p.open_tag)
-        elif hasattr(p, "tags") and type(p).__name__ == "TagToolCallParser":
-            out.extend(f"<{t}>" for t in p.tags)
-        elif type(p).__name__ == "CodeBlockParser":
-            out.append("```")
-        else:
-            return None
-    return tuple(out)
-
-
-def held_suffix(text: str, markers: Sequence[str]) -> int:
-    """Length of the longest end of `text` that is the start (not the whole) of one of `markers`."""
-    best = 0
-    for m in markers:
-        for k in range(min(len(m) - 1, len(text)), best, -1):
-            if text.endswith(m[:k]):
-                best = k
-                break
-    return best
+    index: int
+    text: str
 
 
 @dataclass
@@ -156,7 +111,58 @@ class RowText:
         return ""
 
 
-# ----------------------------------------------------------------------------- chunks
+class Listener:
+    """One streamed call's link to the decode loop: the ids its rows sample, shown as text deltas."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, rows: list[RowText]):
+        self.loop, self.rows = loop, rows
+        self.queue: asyncio.Queue = asyncio.Queue()  # lists of (choice, new ids); RESET; a finished job
+
+    @classmethod
+    def of(cls, req: GenRequest, tokenizer, parsers) -> Listener:
+        """A listener for `req`'s choices (n per prompt)."""
+        openings = tool_openings(parsers) if req.tools else ()
+        count = req.n * (len(req.prompts) if req.prompts is not None else 1)
+        rows = [RowText(tokenizer, req.sampling, openings, hide=req.stop) for _ in range(count)]
+        return cls(asyncio.get_running_loop(), rows)
+
+    def use(self, sampling: SamplingConfig) -> None:
+        """The call's settings as it runs them (its grammar, its max_new_tokens cut to the context)."""
+        for row in self.rows:
+            row.sampling = sampling
+
+    def push(self, items: list[tuple[int, list[int]]]) -> None:
+        """From the generating thread: the new ids of some of this call's choices."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, items)
+
+    def reset(self) -> None:
+        """From the generating thread: a job is generated again (a retry), its ids start over."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, RESET)
+
+    async def deltas(self, jobs: list) -> AsyncIterator[TextDelta]:
+        """The text the rows may show, as their ids arrive, until every job's future is set."""
+        for job in jobs:
+            job.future.add_done_callback(lambda f: self.queue.put_nowait(f))
+        left = len(jobs)
+        while left:
+            item = await self.queue.get()
+            if isinstance(item, asyncio.Future):
+                left -= 1
+            elif item is RESET:  # what was shown stays shown; the rows decode again from the start
+                self.rows = [RowText(r.tokenizer, r.sampling, r.openings, hide=r.hide, sent=r.sent) for r in self.rows]
+            else:
+                for j, ids in item:
+                    text = self.rows[j].feed(ids)
+                    if text:
+                        yield TextDelta(j, text)
+
+    def rest(self, result: Result) -> list[TextDelta]:
+        """Each choice's final content past what was shown."""
+        out = [TextDelta(c.index, self.rows[c.index].rest(c.content)) for c in result.choices]
+        return [d for d in out if d.text]
+
+
+# ----------------------------------------------------------------------------- the chat stream
 
 
 def chunk(base: dict, index: int, delta: dict, finish=None, logprobs=None, extra: dict | None = None) -> dict:
@@ -172,11 +178,11 @@ def head_chunks(base: dict, n: int, prompt_ids: list[int] | None) -> list[dict]:
     return out
 
 
-def tail_chunks(base: dict, choice: dict, rest: str) -> list[dict]:
-    """A choice's end: the rest of its content (with its log-probs when asked), its tool calls, its finish."""
+def tail_chunks(base: dict, choice: dict) -> list[dict]:
+    """A choice's end: its log-probs when asked, its tool calls, its finish (and token ids when asked)."""
     out, i = [], choice["index"]
-    if rest or choice.get("logprobs") is not None:
-        out.append(chunk(base, i, {"content": rest}, logprobs=choice.get("logprobs")))
+    if choice.get("logprobs") is not None:
+        out.append(chunk(base, i, {"content": ""}, logprobs=choice["logprobs"]))
     for j, call in enumerate(choice["message"].get("tool_calls") or []):
         out.append(chunk(base, i, {"tool_calls": [{"index": j, **call}]}))
     extra = {"token_ids": choice["token_ids"]} if "token_ids" in choice else None
@@ -184,86 +190,46 @@ def tail_chunks(base: dict, choice: dict, rest: str) -> list[dict]:
     return out
 
 
-# ----------------------------------------------------------------------------- what a call yields
+def chat_stream(started, events: AsyncIterator, req: GenRequest, ctx):
+    """The call's `chat.completion.chunk` stream: a role chunk per choice at once, content chunks as the rows
+    sample, at the end each choice's tool calls and finish_reason (and usage when asked)."""
+    opts = req.options
+    base = {"id": new_id(), "object": "chat.completion.chunk", "created": int(time.time()), "model": ctx.model_name}
+
+    async def chunks():
+        async with contextlib.aclosing(events):
+            for c in head_chunks(base, req.n, started.prompt_ids[0] if opts.return_token_ids else None):
+                yield c
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    yield chunk(base, event.index, {"content": event.text})
+                elif isinstance(event, Finished):
+                    for c in event.result.choices:
+                        for part in tail_chunks(base, choice_object(c, opts, ctx.tokenizer)):
+                            yield part
+                    if opts.include_usage:
+                        yield {**base, "choices": [], "usage": event.result.usage()}
+
+    return sse_stream(chunks(), ctx.error_body)
 
 
-@dataclass
-class Started:
-    """The call is queued for generation: the ids its prompt was encoded to."""
-
-    prompt_ids: list[int]
-
-
-@dataclass
-class TextDelta:
-    """More content of choice `index` (text deltas of a choice, concatenated, are its final content)."""
-
-    index: int
-    text: str
-
-
-@dataclass
-class Finished:
-    """The call is done and recorded: OpenAI choice dicts (index, message, finish_reason, logprobs, token_ids),
-    the sampled MODEL messages, the prompt ids."""
-
-    choices: list[dict]
-    replies: list
-    prompt_ids: list[int]
-
-
-async def next_ids(queue: asyncio.Queue) -> tuple[dict[int, list[int]], object | None]:
-    """Everything queued now (waiting for one item at least): the new ids per sample, and DONE / RESET when
-    one came (what came after it stays queued)."""
-    items, mark = [await queue.get()], None
-    while items[-1] is not DONE and items[-1] is not RESET and not queue.empty():
-        items.append(queue.get_nowait())
-    if items[-1] is DONE or items[-1] is RESET:
-        mark = items.pop()
-    merged: dict[int, list[int]] = {}
-    for item in items:
-        for j, ids in item:
-            merged.setdefault(j, []).extend(ids)
-    return merged, mark
-
-
-def sse_stream(chunks, error_body):
-    """Server-sent events of the async iterator `chunks` (JSON payloads), then `[DONE]`; an exception after
-    the headers went out becomes an `{"error": ...}` event (`error_body(exc)`), as OpenAI streams errors."""
-    import json
-
+def sse_stream(chunks, error_body, named: bool = False, done: bool = True):
+    """Server-sent events of the async iterator `chunks` (JSON payloads; `named`: each as an event of its
+    `type`), then `[DONE]`; an exception after the headers went out becomes an error event (`error_body(exc)`),
+    as OpenAI streams errors."""
     from fastapi.responses import StreamingResponse
+
+    def line(c: dict) -> str:
+        return (f"event: {c['type']}\n" if named else "") + f"data: {json.dumps(c)}\n\n"
 
     async def events():
         try:
             async for c in chunks:
-                yield f"data: {json.dumps(c)}\n\n"
+                yield line(c)
         except Exception as e:  # noqa: BLE001  (the status line is sent: the error goes in the stream)
-            yield f"data: {json.dumps(error_body(e))}\n\n"
-        yield "data: [DONE]\n\n"
+            yield line(error_body(e))
+        if done:
+            yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-
-
-async def until_disconnect(request, work):
-    """`await work`, unless the client hangs up first: then `work` is cancelled (a call's rows stop) and the
-    result is None. The disconnect is ASGI's `http.disconnect`, which uvicorn sends once the connection drops."""
-    task = asyncio.ensure_future(work)
-
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(gone())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled() or not task.done():
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return None
-    return task.result()

@@ -1,10 +1,10 @@
-"""Models: `generate.ModelGenerate` (the seed path) over two subpackages, and the weights' modules.
+"""Models: `generation.generator.ModelGenerate` over two subpackages, and the weights' modules.
 
 - `generation/`: how a turn is sampled (sampling, picker, constrain, the HF and vLLM backends,
-  the fast decode, the vLLM engine and its stream, watch, weight_sync);
+  the fast decode, the vLLM engine and its stream, weight_sync; `generator`: ModelGenerate);
 - `scoring/`: per-token log-probs through the output head (logprobs, head, the kernels,
   shared_prefix, truncation, liger);
-- here: `generate` (ModelGenerate), `lora`, `adapters`, `dropout`.
+- here: `lora`, `adapters`, `dropout`; `ModelGenerate` is `generation/generator.py`.
 
 Nothing is imported eagerly, so `import SimpleTorchLLMRL.model` stays cheap; import the modules.
 """

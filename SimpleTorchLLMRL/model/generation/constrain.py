@@ -7,8 +7,10 @@ Legend: B rows, V vocab (the model's logits width, which can exceed len(tokenize
     RowMatchers(tokenizer, ebnf, B, eos)     one decode's per-row matchers: `pick(picker, scores)`
 
 A grammar is text in xgrammar's EBNF dialect (GBNF) whose start rule is `root`. It is compiled
-once per (tokenizer, V, grammar): one `GrammarCompiler` per tokenizer and vocabulary size, whose
-own cache keeps each compiled grammar. At every step each row's matcher fills its token bitmask,
+once per (tokenizer, V, grammar): one `GrammarCompiler` per tokenizer and vocabulary size (its own
+cache off), and a bounded cache of compiled grammars beside it (`compiled_grammar`: the last
+MAX_COMPILED, at most MAX_COMPILED_BYTES together, least recently used dropped first); a caller that
+compiles ahead of a call (the gateway, `HFBackend.prepare_grammar`) holds nothing, so memory stays bounded. At every step each row's matcher fills its token bitmask,
 the disallowed tokens' scores become -inf, the row's token is picked from what is left, and the
 matcher accepts it. The matcher's stop tokens are the call's EOS ids: once the grammar is complete
 the mask allows EOS (and whatever could still extend the match); a row whose matcher has accepted
@@ -27,9 +29,14 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 import weakref
+from collections import OrderedDict
 
 import torch
+
+MAX_COMPILED = 32  # compiled grammars kept per (tokenizer, V)
+MAX_COMPILED_BYTES = 32 * 2**20  # and their bytes together (`CompiledGrammar.memory_size_bytes`)
 
 
 def _xgrammar():
@@ -41,7 +48,7 @@ def _xgrammar():
     return xgrammar
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=32)
 def check_grammar(grammar: str) -> None:
     """Raise ValueError naming `grammar` when it is not EBNF that xgrammar parses with a `root` rule."""
     xgr = _xgrammar()
@@ -72,22 +79,33 @@ def _reason(e: Exception) -> str:
     return msg.split(": ", 1)[1] if msg.startswith("[") and ": " in msg else msg
 
 
-# one GrammarCompiler per (tokenizer, V): its TokenizerInfo and the grammars it compiled (its cache)
+# per tokenizer, per V: (its GrammarCompiler, its compiled grammars: grammar text -> CompiledGrammar, LRU order)
 _COMPILERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
 
 
 def compiled_grammar(tokenizer, vocab_size: int, grammar: str):
-    """`grammar` compiled for this tokenizer and a logits width of `vocab_size` (cached)."""
+    """`grammar` compiled for this tokenizer and a logits width of `vocab_size` (cached, bounded)."""
     xgr = _xgrammar()
-    per_tokenizer = _COMPILERS.setdefault(tokenizer, {})
-    compiler = per_tokenizer.get(vocab_size)
-    if compiler is None:
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        compiler = per_tokenizer[vocab_size] = xgr.GrammarCompiler(info)
+    with _LOCK:
+        per_tokenizer = _COMPILERS.setdefault(tokenizer, {})
+        if vocab_size not in per_tokenizer:
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+            per_tokenizer[vocab_size] = (xgr.GrammarCompiler(info, cache_enabled=False), OrderedDict())
+        compiler, cache = per_tokenizer[vocab_size]
+        if grammar in cache:
+            cache.move_to_end(grammar)
+            return cache[grammar]
     try:
-        return compiler.compile_grammar(grammar)
+        compiled = compiler.compile_grammar(grammar)
     except RuntimeError as e:
         raise ValueError(f"grammar {_head(grammar)} does not compile: {_reason(e)}") from None
+    with _LOCK:
+        cache[grammar] = compiled
+        while len(cache) > MAX_COMPILED or (len(cache) > 1 and sum(
+                c.memory_size_bytes for c in cache.values()) > MAX_COMPILED_BYTES):
+            cache.popitem(last=False)
+    return compiled
 
 
 class RowMatchers:

@@ -15,11 +15,10 @@ which fuses its small kernels) and one decode step is captured once as a CUDA gr
 On CPU (and with `graphs=False`) the same step runs eagerly, which is how the tests compare it with
 the default path. A row that has ended (EOS id or stop string) keeps decoding until every row has,
 checked every CHECK_EVERY steps, and `cut_sample` cuts it as on the default path, so the kept ids
-are the same: greedy ids, and sampled ids under the same seed on the same device (one uniform per
-row per step, drawn in the same order; a CUDA graph's replays draw the same Philox numbers as eager
-calls). Log-probs agree up to float summation order: the static cache attends over S masked slots,
-the dynamic one over exactly the tokens so far. What differs: the global RNG stream of an unseeded
-call advances by the steps run, which here may be up to CHECK_EVERY - 1 more than the default path's.
+are the same: greedy ids, and sampled ids under the same seed (one uniform per row per step, a hash of
+the row's key and the step: `picker.row_uniforms`, the same numbers eagerly and in a graph's replays).
+Log-probs agree up to float summation order: the static cache attends over S masked slots,
+the dynamic one over exactly the tokens so far.
 
 Used for models whose `StaticCache` has only full-attention layers (no sliding-window or hybrid
 layers); `supports_fast_decode` says. One `StaticDecoder` (its cache, compiled forward and graph) is
@@ -149,7 +148,7 @@ class StaticDecoder:
         """input_ids, attention_mask (B, L) left-padded -> ids (B, n), log-probs (B, n), n <= new_tokens.
 
         `row_stopped(ids of some rows so far)` says which of them a stop string ended (None: EOS only);
-        `watch` (a `model.generation.watch.DecodeWatch`, or None): gets the new ids at each host check (every
+        `watch` (a `model.generation.sampling.DecodeWatch`, or None): gets the new ids at each host check (every
         STREAM_EVERY steps when it streams), and the rows it cancels count as ended. `use_picker` first."""
         B, L = input_ids.shape
         if L + new_tokens > self.S or B != self.B:

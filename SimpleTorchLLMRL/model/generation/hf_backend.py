@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from SimpleTorchLLMRL.model.generation.picker import TokenPicker, checked_mass
+from SimpleTorchLLMRL.model.generation.picker import TokenPicker, checked_mass, row_keys
 from SimpleTorchLLMRL.model.generation.sampling import (
     Sample,
     SamplingConfig,
@@ -49,8 +49,9 @@ class _Picker:
     the scores its mask leaves, `constrain.RowMatchers`), records its log-prob, and returns scores
     whose argmax is that token (`generate` runs greedy)."""
 
-    def __init__(self, cfg: SamplingConfig, matchers=None):
+    def __init__(self, cfg: SamplingConfig, keys: list[int], device, matchers=None):
         self.picker, self.matchers = TokenPicker(cfg), matchers
+        self.picker.start(keys, device)
         self.logprobs: list[torch.Tensor] = []  # N x (B,)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -118,6 +119,7 @@ class HFBackend:
             raise ValueError(f"decode='fast' needs a decoder-only model whose transformers StaticCache has only "
                              f"full-attention layers; {type(model).__name__} has not (use decode='default')")
         check_vocabulary(model, tokenizer)
+        self.vocab_size = model_vocab_size(model)  # the logits' width: the ids a logit_bias may name
         self.decode = decode
         self.compile_decode: bool | None = None  # fast decode: torch.compile its forward (None: on CUDA)
         # cfg: the generator's defaults (what `logprob_temperature` reports); `generate` samples with the
@@ -134,6 +136,12 @@ class HFBackend:
 
     def check_sampling(self, sampling: SamplingConfig) -> None:
         """Nothing to refuse: the HF loop records log-probs under any settings."""
+
+    def prepare_grammar(self, grammar: str) -> None:
+        """Compile `grammar` for this model now (its caller's thread), so a call with it finds it compiled."""
+        from SimpleTorchLLMRL.model.generation.constrain import compiled_grammar
+
+        compiled_grammar(self.tokenizer, self.vocab_size, grammar)
 
     def top_logprobs(self, prompt_ids: list[int], token_ids: list[int], temperature: float,
                      k: int) -> list[list[tuple[int, float]]]:
@@ -159,36 +167,31 @@ class HFBackend:
         ctx = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
         return int(ctx) if ctx else None
 
-    def generate(self, prompts: list[list[int]], n: int, seed: int | None, *, sampling: SamplingConfig,
+    def generate(self, prompts: list[list[int]], n: int, seeds: list[int], *, sampling: SamplingConfig,
                  adapter: str | None = None, watch=None) -> list[list[Sample]]:
-        """`n` samples per prompt under `sampling` (this call's settings, never stored); `adapter`: with
-        that LoRA adapter of a multi-adapter peft model active; `watch`: a `model.generation.watch.DecodeWatch`."""
+        """`n` samples per prompt under `sampling` (this call's settings, never stored), sample j of prompt i
+        drawn from the stream of (seeds[i], j) (`picker.row_keys`): the same in any batch; `adapter`: with
+        that LoRA adapter of a multi-adapter peft model active; `watch`: a `sampling.DecodeWatch`."""
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-        sampling.check_vocabulary(model_vocab_size(self.model))
-        from SimpleTorchLLMRL.model.adapters import use_adapter
-
+        sampling.check_vocabulary(self.vocab_size)
         expanded = [p for p in prompts for _ in range(n)]  # prompt-major: p0 x n, p1 x n, ...
+        keys = row_keys(seeds, n)
         step = self.batch_size or len(expanded)
         device = _device_of(self.model)
         was_training = self.model.training
         self.model.eval()
-        # A seeded call runs on a forked RNG (the global stream is left alone); an unseeded call
-        # draws from the global RNG, so consecutive calls give fresh samples.
-        forked = seed is not None
         try:
             with contextlib.ExitStack() as stack:
                 if adapter is not None:
+                    from SimpleTorchLLMRL.model.adapters import use_adapter
+
                     stack.enter_context(use_adapter(self.model, adapter))
-                stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
-                                                          enabled=forked))
-                if forked:
-                    torch.manual_seed(seed)
                 flat = []
                 for start in range(0, len(expanded), step):
-                    rows = expanded[start: start + step]
-                    part = None if watch is None else watch.select(range(start, start + len(rows)))
-                    flat.extend(self._generate_batch(rows, device, sampling, adapter, part))
+                    rows = slice(start, start + step)
+                    part = None if watch is None else watch.select(range(start, start + len(expanded[rows])))
+                    flat.extend(self._generate_batch(expanded[rows], keys[rows], device, sampling, adapter, part))
         finally:
             self.model.train(was_training)
         return [flat[i * n: (i + 1) * n] for i in range(len(prompts))]
@@ -203,7 +206,7 @@ class HFBackend:
     def uses_fast_decode(self, device: torch.device) -> bool:
         return self.decode == "fast" or (self.decode == "auto" and device.type == "cuda" and self.fast_ok)
 
-    def _generate_batch(self, prompts: list[list[int]], device, cfg: SamplingConfig,
+    def _generate_batch(self, prompts: list[list[int]], keys: list[int], device, cfg: SamplingConfig,
                         adapter: str | None = None, watch=None) -> list[Sample]:
         B, L = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)  # (B, L) left-padded
@@ -214,9 +217,10 @@ class HFBackend:
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         with torch.inference_mode():
             if self.uses_fast_decode(device) and cfg.grammar is None:  # a grammar's mask needs the host per step
-                new, logps = self._fast_decode(input_ids, attention_mask, device, cfg, adapter, watch)
+                new, logps = self._fast_decode(input_ids, attention_mask, keys, device, cfg, adapter, watch)
             else:
-                new, logps = self._hf_generate(input_ids, attention_mask, cfg, watch)
+                shared = len({tuple(p) for p in prompts}) < B  # some prompt repeats: prefill it once
+                new, logps = self._hf_generate(input_ids, attention_mask, keys, cfg, watch, shared)
         new_l, logps_l = new.tolist(), logps.tolist()
         if watch is not None:  # a cancelled row keeps what it sampled before it was given up
             for i in range(B):
@@ -225,8 +229,8 @@ class HFBackend:
                     new_l[i], logps_l[i] = new_l[i][:at], logps_l[i][:at]
         return [cut_sample(self.tokenizer, ids, lps, cfg) for ids, lps in zip(new_l, logps_l, strict=True)]
 
-    def _fast_decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, device, cfg: SamplingConfig,
-                     adapter: str | None, watch=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fast_decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keys: list[int], device,
+                     cfg: SamplingConfig, adapter: str | None, watch=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, n) ids and log-probs from the static-cache decoder of this shape (built, or reused from an
         earlier call on this model: one per model, `fast_decode.DECODERS`)."""
         from SimpleTorchLLMRL.model.generation.fast_decode import (
@@ -251,6 +255,7 @@ class HFBackend:
         pick_key = (cfg.greedy, cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.eos_token_ids, cfg.logit_bias,
                     cfg.frequency_penalty, cfg.presence_penalty)
         held[1].use_picker(TokenPicker(cfg), pick_key, cfg.eos_token_ids)
+        held[1].picker.start(keys, device)  # into the held picker's buffers (a captured graph reads them)
         stops = cfg.all_stops
         window = stop_window(stops) + CHECK_EVERY if stops else 0
 
@@ -259,8 +264,8 @@ class HFBackend:
 
         return held[1].decode(input_ids, attention_mask, cfg.max_new_tokens, row_stopped if stops else None, watch)
 
-    def _hf_generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     cfg: SamplingConfig, watch=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hf_generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keys: list[int],
+                     cfg: SamplingConfig, watch=None, shared: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, N) ids and log-probs from `model.generate` (greedy over our picker's forced scores)."""
         from transformers import LogitsProcessorList, StoppingCriteriaList
 
@@ -270,11 +275,11 @@ class HFBackend:
             from SimpleTorchLLMRL.model.generation.constrain import RowMatchers
 
             matchers = RowMatchers(self.tokenizer, cfg.grammar, B, cfg.eos_token_ids)
-        picker = _Picker(cfg, matchers)
+        picker = _Picker(cfg, keys, input_ids.device, matchers)
         criteria = StoppingCriteriaList([_StopOnStrings(self.tokenizer, cfg.all_stops, L)] if cfg.all_stops else [])
         if watch is not None:
             criteria.append(_WatchSteps(watch, L, B))
-        cache = self._shared_prefill(input_ids, attention_mask) if self.share_prefill else None
+        cache = self._shared_prefill(input_ids, attention_mask) if self.share_prefill and shared else None
         seq = self.model.generate(  # greedy: sampling happens in our last processor
             input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
             max_new_tokens=cfg.max_new_tokens, do_sample=False, num_beams=1, temperature=None, top_k=None,

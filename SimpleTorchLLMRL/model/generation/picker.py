@@ -4,7 +4,9 @@ Legend: B rows, V vocab.
 
 Shared by both HF decode loops (`hf_backend`'s `model.generate` processor and `fast_decode`'s CUDA
 graph), so under one seed they draw the same ids. Sampling is by inverse CDF, one float64 uniform
-per row from torch's RNG (`inverse_cdf_sample`). logit_bias and frequency / presence penalties
+per row and step (`inverse_cdf_sample`): after `start(keys)`, row i's uniform at step t is a hash of
+(keys[i], t) alone (`row_uniforms`, counter-based: no generator state, the same numbers on every device
+and in a CUDA graph), so a row samples the same ids whatever else is in its batch. logit_bias and frequency / presence penalties
 (`LogitShift`) are one (B, V) offset added to the raw scores before temperature, top-k and top-p,
 updated in place after each pick (no host sync, graph-safe); with none of them set, no op is added.
 Top-k / top-p / min-p keep the set that `model/scoring/truncation.py` defines (the one the trainer scores under).
@@ -20,10 +22,44 @@ from SimpleTorchLLMRL.model.scoring.truncation import keep_threshold, kept_probs
 BLOCK = 1024  # vocabulary entries per first-level block of the inverse CDF
 
 
-def inverse_cdf_sample(p: torch.Tensor, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32), in two 16-bit halves of c (no int64 overflow)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijection of [0, 2**32) with full avalanche (Wellons' "lowbias32"), on int64 tensors."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def row_uniforms(keys: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """keys (B,) int64 >= 0, step (1,) int64 -> (B, 1) float64 uniforms in [0, 1) with 53 random bits: each a
+    hash of its row's key and the step only (counter-based, device-independent, no host sync)."""
+    lo, hi = keys & M32, (keys >> 32) & M32  # (B,)
+    t = _mix32((step * 2 + 1) & M32)  # (1,)
+    h1 = _mix32(_mix32(lo ^ t) ^ hi)  # (B,)
+    h2 = _mix32(_mix32(hi ^ _mix32(t ^ 0x9E3779B9)) ^ lo ^ h1)  # (B,)
+    return ((h1 << 21) + (h2 >> 11)).double().mul_(2.0**-53)[:, None]
+
+
+def row_keys(seeds: list[int], n: int) -> list[int]:
+    """The key of each row of a call (prompt-major: row i * n + j is prompt i's j-th sample): a mix of its
+    prompt's seed and its sample index, in [0, 2**63)."""
+    return [(s + j * 0x9E3779B97F4A7C15) % 2**63 for s in seeds for j in range(n)]
+
+
+def inverse_cdf_sample(p: torch.Tensor, check: bool = True,
+                       u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Unnormalized probabilities p (B, V) >= 0 -> ids (B,) with P(v) = p_v / sum(p), and sum(p) (B,) float64.
 
-    One uniform per row (torch's global RNG). Up to 4 x BLOCK entries: one float64
+    One uniform per row: `u` (B, 1) float64 in [0, 1) (`row_uniforms`), else torch's global RNG. Up to 4 x BLOCK entries: one float64
     cumsum; beyond: a float64 cumsum over per-block sums picks a block, a cumsum
     inside that block picks the entry (no (B, V) temporary). An entry with p = 0 is
     never picked: the target mass is kept strictly below each row's total. `check`: raise on a
@@ -31,7 +67,8 @@ def inverse_cdf_sample(p: torch.Tensor, check: bool = True) -> tuple[torch.Tenso
     caller checks the returned totals (`mass_error`).
     """
     B, V = p.shape
-    u = torch.rand(B, 1, dtype=torch.float64, device=p.device)  # (B, 1)
+    if u is None:
+        u = torch.rand(B, 1, dtype=torch.float64, device=p.device)  # (B, 1)
     if V <= 4 * BLOCK:
         cum = p.double().cumsum(-1)  # (B, V)
         total = checked_mass(cum[:, -1:], check)  # (B, 1)
@@ -108,6 +145,28 @@ class TokenPicker:
         self._trunc = None  # the (B,) Truncation of the decode's rows, built on the first step
         self.scratch = _Scratch()
         self.shift = LogitShift(cfg) if cfg.shifts_logits else None
+        self.keys: torch.Tensor | None = None  # (B,) int64 row keys (`start`); None: torch's global RNG
+        self.step: torch.Tensor | None = None  # (1,) int64 steps picked since `start`
+
+    def start(self, keys: list[int], device) -> None:
+        """A new decode whose row i draws from the stream of keys[i] (`row_keys`): copied into the picker's
+        buffers in place (a captured CUDA graph keeps reading them), the step set to 0."""
+        new = torch.tensor(keys, dtype=torch.long, device=device)  # (B,)
+        if self.keys is None or self.keys.shape != new.shape or self.keys.device != new.device:
+            self.keys, self.step = new, torch.zeros(1, dtype=torch.long, device=device)
+        else:
+            self.keys.copy_(new)
+            self.step.zero_()
+
+    def _uniforms(self, B: int) -> torch.Tensor | None:
+        """(B, 1) float64: this step's uniform per row (`row_uniforms`), the step counted; None without keys."""
+        if self.keys is None:
+            return None
+        if self.keys.shape[0] != B:
+            raise ValueError(f"the picker was started for {self.keys.shape[0]} rows, got scores of {B}")
+        u = row_uniforms(self.keys, self.step)
+        self.step.add_(1)
+        return u
 
     def prepare(self, scores: torch.Tensor) -> None:
         """Before a decode (and before any CUDA graph capture): the step buffers for scores' (B, V) shape,
@@ -130,14 +189,15 @@ class TokenPicker:
             tok = scores.argmax(-1, keepdim=True)  # (B, 1)
             lse = m * inv_t + d.exp_().sum(-1, keepdim=True).log()
             return tok.squeeze(1), (scores.gather(1, tok) * inv_t - lse).squeeze(1), None
+        u = self._uniforms(scores.shape[0])
         if not self.truncates:  # one exp pass serves the sampling and the log-sum-exp
-            tok, total = inverse_cdf_sample(d.exp_(), check=False)
+            tok, total = inverse_cdf_sample(d.exp_(), check=False, u=u)
             lse = m * inv_t + total[:, None].log().float()
         else:
             full_lse = None if self.records_truncated else m * inv_t + d.exp_().sum(-1, keepdim=True).log()  # (B, 1)
             z = scores * inv_t  # (B, V) tempered, as the trainer's heads compute them
             p = kept_probs(z, keep_threshold(z, self._rows(z)), out=self.scratch.like(z))  # (B, V)
-            tok, total = inverse_cdf_sample(p, check=False)
+            tok, total = inverse_cdf_sample(p, check=False, u=u)
             kept_lse = z.amax(-1, keepdim=True) + total[:, None].log().float()  # (B, 1) over the kept set
             if self.records_truncated:
                 tok = tok[:, None]
@@ -172,7 +232,7 @@ class TokenPicker:
             else:
                 p = z.sub_(z.amax(-1, keepdim=True))
                 p = (p.mul_(inv_t) if inv_t != 1.0 else p).exp_()  # (B, V)
-            tok, total = inverse_cdf_sample(p, check=False)
+            tok, total = inverse_cdf_sample(p, check=False, u=self._uniforms(scores.shape[0]))
             tok = tok[:, None]  # (B, 1)
         self.shift.count(tok)
         return tok.squeeze(1), (scores.gather(1, tok) * inv_t - lse).squeeze(1), total

@@ -1,6 +1,7 @@
-"""What backends share: the sampling config, one sampled completion, stop-string cutting, the backend protocol.
+"""What backends share: the sampling config, one sampled completion, stop-string cutting, the backend protocol
+and the `DecodeWatch` a call may carry.
 
-Both backends (`hf_backend`, `vllm`) and the generator (`generate`) import from here;
+Both backends (`hf_backend`, `vllm`) and the generator (`generator`) import from here;
 nothing here imports them, so the model package has no import cycle.
 
 Legend: N new tokens.
@@ -9,7 +10,7 @@ Legend: N new tokens.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,6 +33,11 @@ class Backend(Protocol):
         call with `sampling` (vLLM: its engine's log-probs mode); the HF backend records any settings."""
         ...
 
+    def prepare_grammar(self, grammar: str) -> None:
+        """Ahead of a call, on the caller's thread: compile `grammar` (EBNF) for this model (HF; vLLM only checks
+        it parses, its engine compiles), so the call does not compile it on the generating thread."""
+        ...
+
     def top_logprobs(self, prompt_ids: list[int], token_ids: list[int], temperature: float,
                      k: int) -> list[list[tuple[int, float]]]:
         """At each of `token_ids`' positions after `prompt_ids`: the k most likely (id, log-prob) pairs under
@@ -50,12 +56,14 @@ class Backend(Protocol):
     @property
     def max_context(self) -> int | None: ...
 
-    def generate(self, prompts: list[list[int]], n: int, seed: int | None, *,
+    def generate(self, prompts: list[list[int]], n: int, seeds: list[int], *,
                  sampling: SamplingConfig) -> list[list[Sample]]:
         """`n` Samples per prompt under `sampling`, this call's settings: a backend reads no sampling
         settings of its own during a call, so calls with other settings never see each other's.
+        seeds: one per prompt; the j-th sample of prompt i draws from a stream of (seeds[i], j) alone,
+        so it is the same whatever else is in the batch.
         Backends that serve several LoRA adapters also take `adapter=` (a name; a list of one per
-        prompt where `mixed_adapters` is True); it is only passed when set."""
+        prompt where `mixed_adapters` is True), and a `watch=` (a `DecodeWatch`); each only passed when set."""
         ...
 
     def push_weights(self, model, mode: str = "merged") -> None:
@@ -83,7 +91,9 @@ class SamplingConfig:
     the one the trainer scores such a turn under (docs/generation.md).
     grammar: text in xgrammar's EBNF dialect (start rule `root`) that every completion must match
     (constrained decoding, `model/generation/constrain.py`; None: unconstrained). Recorded log-probs stay those
-    of the raw logits / T, before the grammar's mask; `distribution_changes` records the grammar.
+    of the raw logits / T, before the grammar's mask; `distribution_changes` records the grammar. The
+    grammar decides where such a completion ends (EOS once it is complete): stop strings and tool-call
+    stops do not apply to it (`all_stops` is empty), so none can cut it inside, e.g. in a JSON string.
     """
 
     max_new_tokens: int = 50
@@ -114,7 +124,7 @@ class SamplingConfig:
         self.min_p = float(self.min_p)
         self.stop = _as_strings("stop", self.stop)
         self.tool_call_stop = _as_strings("tool_call_stop", self.tool_call_stop)
-        self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
+        self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids or ())  # empty: the generator fills in its own
         self.logit_bias = _as_bias(self.logit_bias)
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
@@ -139,6 +149,9 @@ class SamplingConfig:
 
     @property
     def all_stops(self) -> tuple[str, ...]:
+        """The stop strings that end a completion: none under a grammar (it ends where the grammar does)."""
+        if self.grammar is not None:
+            return ()
         return tuple(dict.fromkeys(self.stop + self.tool_call_stop))
 
     @property
@@ -151,6 +164,8 @@ class SamplingConfig:
         """Whether the recorded log-probs are under the truncated distribution (the draw truncates, and no
         logit_bias, penalty or grammar shaped it, which a trainer could not replay): the rule of
         `chat.truncation.truncation_settings`, which the trainer reads from `distribution_changes()`."""
+        if not self.truncates or self.greedy:
+            return False
         return truncation_settings(self.distribution_changes()) is not None
 
     @property
@@ -304,3 +319,74 @@ def default_eos_ids(tokenizer, model=None) -> tuple[int, ...]:
     if gen_eos is not None:
         ids.extend(int(t) for t in ([gen_eos] if isinstance(gen_eos, int) else gen_eos))
     return tuple(dict.fromkeys(ids))
+
+
+# ----------------------------------------------------------------------------- watching a decode
+
+
+TokensFn = Callable[[Sequence[int], list[list[int]]], None]
+
+
+class DecodeWatch:
+    """What a decode loop reports while it runs (each row's new ids) and what it asks (which rows
+    to give up), for streaming replies and cancelling abandoned ones.
+
+    Rows are the samples of one generate call, prompt-major: prompt i's j-th sample is row i * n + j.
+
+        watch = DecodeWatch(on_tokens=lambda rows, ids: ..., cancelled=lambda row: ...)
+        generator.generate(rollouts, n, watch=watch)
+
+    `on_tokens(rows, ids)` is called from the thread that generates, with `ids[k]` the ids row `rows[k]`
+    sampled since the last call: every step on the HF `generate` loop (which syncs with the host every step
+    anyway), at each host check on the fast decode (`fast_decode.STREAM_EVERY` steps), as the engine steps on
+    vLLM. The ids are raw: a row that ended keeps receiving ids (padding, or what it samples past its EOS or
+    stop string), which the caller cuts as `sampling.cut_sample` does. It must be quick and must not raise;
+    hand the ids to another thread (e.g. `loop.call_soon_threadsafe`) rather than work on them there.
+
+    `cancelled(row)` is read at those same points: a row it says True for stops decoding (the HF loops treat it
+    as ended; vLLM aborts it); the other rows sample exactly the ids they would have sampled without it. A
+    cancelled row's message holds what it sampled until it stopped (finish_reason "length" unless it had
+    already ended).
+    """
+
+    def __init__(self, on_tokens: TokensFn | None = None, cancelled: Callable[[int], bool] | None = None):
+        self._on_tokens, self._cancelled = on_tokens, cancelled
+        self.streams = on_tokens is not None  # the fast decode checks more often for a watch that streams
+        self._stopped_at: dict[int, int] = {}  # cancelled row -> ids it had sampled when the loop gave it up
+
+    def tokens(self, rows: Sequence[int], ids: list[list[int]]) -> None:
+        if self._on_tokens is not None and rows:
+            self._on_tokens(rows, ids)
+
+    def is_cancelled(self, row: int) -> bool:
+        return self._cancelled is not None and bool(self._cancelled(row))
+
+    def give_up(self, row: int, sampled: int) -> None:
+        """The loop stopped decoding `row` (cancelled) after it had sampled `sampled` ids."""
+        self._stopped_at.setdefault(row, sampled)
+
+    def given_up_at(self, row: int) -> int | None:
+        """How many ids `row` had sampled when the loop gave it up; None when it ran to its end."""
+        return self._stopped_at.get(row)
+
+    def select(self, rows: Sequence[int]) -> DecodeWatch:
+        """This watch for a sub-call that generates only `rows` (its row r is this call's rows[r])."""
+        return _Selected(self, list(rows))
+
+
+class _Selected(DecodeWatch):
+    def __init__(self, parent: DecodeWatch, rows: list[int]):
+        super().__init__()
+        self.parent, self.rows, self.streams = parent, rows, parent.streams
+
+    def tokens(self, rows: Sequence[int], ids: list[list[int]]) -> None:
+        self.parent.tokens([self.rows[r] for r in rows], ids)
+
+    def is_cancelled(self, row: int) -> bool:
+        return self.parent.is_cancelled(self.rows[row])
+
+    def give_up(self, row: int, sampled: int) -> None:
+        self.parent.give_up(self.rows[row], sampled)
+
+    def given_up_at(self, row: int) -> int | None:
+        return self.parent.given_up_at(self.rows[row])

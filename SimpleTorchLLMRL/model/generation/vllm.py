@@ -135,6 +135,12 @@ class VLLMBackend:
                      k: int) -> list[list[tuple[int, float]]]:
         raise ValueError("top log-probs need the HF backend: this engine records only the sampled ids' log-probs")
 
+    def prepare_grammar(self, grammar: str) -> None:
+        """Check that `grammar` parses (the engine compiles it itself, off its sampling loop)."""
+        from SimpleTorchLLMRL.model.generation.constrain import check_grammar
+
+        check_grammar(grammar)
+
     def check_sampling(self, cfg: SamplingConfig) -> None:
         """Raise when this engine's log-probs mode cannot record `cfg`'s log-probs (a per-call override)."""
         problem = logprobs_mode_problem(self.logprobs_mode, cfg)
@@ -173,11 +179,11 @@ class VLLMBackend:
                              f"call push_weights(model, mode='adapter', adapter={adapter!r}) first")
         return self.lora_requests[adapter]
 
-    def generate(self, prompts: list[list[int]], n: int, seed: int | None, *, sampling: SamplingConfig,
+    def generate(self, prompts: list[list[int]], n: int, seeds: list[int], *, sampling: SamplingConfig,
                  adapter: str | list[str | None] | None = None, watch=None) -> list[list[Sample]]:
         """`n` samples per prompt under `sampling` (this call's settings, never stored; refused when this
         engine's log-probs mode cannot record them); `adapter`: a pushed adapter's name, or one name (or
-        None) per prompt. `watch` (a `model.generation.watch.DecodeWatch`): the engine is stepped here instead of
+        None) per prompt. `watch` (a `model.generation.sampling.DecodeWatch`): the engine is stepped here instead of
         `LLM.generate` (`vllm_stream.step_watched`), each row's ids reach the watch as they are sampled and
         the rows it cancels are aborted; the samples are the ones `LLM.generate` gives for the same seed."""
         from vllm.inputs import TokensPrompt
@@ -189,9 +195,10 @@ class VLLMBackend:
         # vLLM refuses n > 1 with greedy decoding: repeat the prompt instead.
         reps, per_request = (n, 1) if sampling.greedy else (1, n)
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(reps)]
-        # vLLM seeds the j-th sample of a request with seed + j: stride so no two samples share a seed
-        params = [self._sampling_params(sampling, per_request, None if seed is None else seed + i * per_request)
-                  for i in range(len(requests))]
+        # a request per prompt, seeded by the prompt's own seed (vLLM seeds its j-th sample with seed + j;
+        # greedy repeats: the j-th copy seed + j), so a prompt samples the same alone or batched
+        params = [self._sampling_params(sampling, per_request, (seeds[i] + j) % 2**63)
+                  for i in range(len(prompts)) for j in range(reps)]
         if isinstance(adapter, list):
             if len(adapter) != len(prompts):
                 raise ValueError(f"{len(adapter)} adapters for {len(prompts)} prompts")

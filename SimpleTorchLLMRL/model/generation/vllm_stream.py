@@ -1,5 +1,5 @@
 """A watched call on the vLLM backend: the engine stepped request by request, each row's new ids handed to a
-`model.generation.watch.DecodeWatch` as they are sampled, the rows it gives up aborted in the engine.
+`model.generation.sampling.DecodeWatch` as they are sampled, the rows it gives up aborted in the engine.
 
 Legend: R requests, k samples per request (vLLM's `n`), R * k rows (row i * k + j: request i's j-th sample).
 

@@ -16,7 +16,8 @@ import torch
 
 from SimpleTorchLLMRL.chat.message import MessageType, Rollout
 from SimpleTorchLLMRL.env.rollouts import collect_rollouts
-from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import used_tool
 from SimpleTorchLLMRL.recipes.calculator.train_loop import episode_stats
 
@@ -40,8 +41,9 @@ def evaluate(model, tokenizer, env, reward_fn, rows: Sequence[dict], *, k: int, 
     """
     questions = [r["question"] for r in rows]
     answers = [r["answer"] for r in rows]
-    greedy = ModelGenerate(engine if engine is not None else model, tokenizer, max_new_tokens=max_new_tokens,
-                           do_sample=False, tool_call_stop=env.stop_strings, seed=seed)
+    greedy = ModelGenerate(engine if engine is not None else model, tokenizer, seed=seed,
+                           sampling=SamplingConfig(max_new_tokens=max_new_tokens, do_sample=False,
+                                                   tool_call_stop=env.stop_strings))
     rollouts = collect_rollouts(greedy, env, questions, answers, group_size=1, max_turns=max_turns)
     rewards = reward_fn(rollouts, answers)  # (P,)
     report = {f"greedy_{key}": v for key, v in episode_stats(rollouts, rewards).items()}

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from SimpleTorchLLMRL.chat.message import MessageType, Rollout
-from SimpleTorchLLMRL.model.generate import ModelGenerate
+from SimpleTorchLLMRL.model.generation.generator import BackendConfig, ModelGenerate
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import used_tool
 from SimpleTorchLLMRL.recipes.calculator.cli import UsageError
 from SimpleTorchLLMRL.utils.jsonl import read_jsonl
@@ -64,11 +65,13 @@ class Sampler:
 
     def generator(self, seed: int, greedy: bool = False, policy_version: int = 0, model=None) -> ModelGenerate:
         """model: sample with these weights instead (the async producer's copy)."""
-        extra = {"lora_request": self.lora_request} if self.engine is not None and self.lora_request else {}
+        lora = self.lora_request if self.engine is not None else None
         engine = self.engine if self.engine is not None else (model if model is not None else self.model)
-        return ModelGenerate(engine, self.tokenizer, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                             do_sample=not greedy, tool_call_stop=self.stop_strings, seed=seed,
-                             policy_version=policy_version, **extra)
+        gen = ModelGenerate(engine, self.tokenizer, seed=seed, backend=BackendConfig(lora_request=lora),
+                            sampling=SamplingConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                                                    do_sample=not greedy, tool_call_stop=self.stop_strings))
+        gen.policy_version = policy_version
+        return gen
 
     def sync(self, model) -> None:
         """Push the training weights into the vLLM engine (no-op for HF)."""

@@ -24,6 +24,7 @@ from typing import Any
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
 from SimpleTorchLLMRL.env.base import Env
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.recipes.router_r1.config import RouterTrainingConfig
 from SimpleTorchLLMRL.recipes.router_r1.pool import RouteResult, RoutingPool
 from SimpleTorchLLMRL.recipes.router_r1.tags import Action, parse_action
@@ -77,14 +78,16 @@ class Decision:
 
 def make_policy_generator(model, tokenizer, config: RouterTrainingConfig, validation: bool = False, seed=None):
     """A `ModelGenerate` with Router-R1's stops and the config's sampling (greedy-by-default validation)."""
-    from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 
     g, v = config.generation, config.validation
     do_sample, temperature = (v.do_sample, v.temperature) if validation else (g.do_sample, g.temperature)
-    return ModelGenerate(model, tokenizer, max_new_tokens=config.data.max_response_length, temperature=temperature,
-                         do_sample=do_sample, top_p=None if g.top_p >= 1 else g.top_p,
-                         top_k=None if g.top_k <= 0 else g.top_k, stop=[ANSWER_STOP], tool_call_stop=[SEARCH_STOP],
-                         seed=seed)
+    return ModelGenerate(model, tokenizer, seed=seed,
+                         sampling=SamplingConfig(max_new_tokens=config.data.max_response_length,
+                                                 temperature=temperature, do_sample=do_sample,
+                                                 top_p=None if g.top_p >= 1 else g.top_p,
+                                                 top_k=None if g.top_k <= 0 else g.top_k, stop=[ANSWER_STOP],
+                                                 tool_call_stop=[SEARCH_STOP]))
 
 
 class RouterEnv(Env):
@@ -165,7 +168,7 @@ class RouterGenerationManager:
     """The batched multi-round loop: generate for all open episodes, route all searches at once, repeat.
 
     generator: anything with `batch_rollout_generate_response(rollouts)` and a `tokenizer`
-    (a `ModelGenerate`); with `fits(rollout)` it is asked whether the next prompt fits.
+    (a `ModelGenerate`); with `fits(prompt_ids)` it is asked whether the next prompt fits.
     Metadata per rollout as `collect_rollouts` writes it ("group_id", "question", "answer",
     "env_state", "turns", "done_reason": "env" | "context").
     """
@@ -178,9 +181,10 @@ class RouterGenerationManager:
     def _fits(self, rollout: Rollout) -> bool:
         tok = getattr(self.generator, "tokenizer", None) or self.env.tokenizer
         limit = self.env.config.data.max_prompt_length
-        if tok is not None and len(encode_prompt(rollout, tok)) > limit:
+        ids = encode_prompt(rollout, tok) if tok is not None else None
+        if ids is not None and len(ids) > limit:
             return False
-        return not hasattr(self.generator, "fits") or self.generator.fits(rollout)
+        return ids is None or not hasattr(self.generator, "fits") or self.generator.fits(ids)
 
     def run(self, questions: Sequence[Any], answers: Sequence[Any] | None = None, n: int = 1) -> list[Rollout]:
         """n episodes per question, group-major (question 0's n samples first)."""

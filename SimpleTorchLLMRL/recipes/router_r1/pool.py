@@ -118,7 +118,8 @@ class LocalGenerator:
         return self._generator is not None
 
     def _load(self):
-        from SimpleTorchLLMRL.model.generate import ModelGenerate
+        from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
+        from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 
         if self._model is None:
             import torch
@@ -130,8 +131,10 @@ class LocalGenerator:
         if self._tokenizer.pad_token_id is None:
             self._tokenizer.pad_token = self._tokenizer.eos_token
         greedy = self.temperature == 0
-        self._generator = ModelGenerate(self._model, self._tokenizer, max_new_tokens=self.max_new_tokens,
-                                        temperature=self.temperature, do_sample=not greedy)
+        self._generator = ModelGenerate(self._model, self._tokenizer,
+                                        sampling=SamplingConfig(max_new_tokens=self.max_new_tokens,
+                                                                temperature=self.temperature,
+                                                                do_sample=not greedy))
 
     def generate(self, prompts: list[str]) -> list[tuple[str, int]]:
         from SimpleTorchLLMRL.chat.message import Message, Rollout
