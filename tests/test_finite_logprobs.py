@@ -101,3 +101,14 @@ def test_the_gateway_records_generated_turns_as_they_are():
     object.__setattr__(reply, "logprobs", [-0.1, -math.inf])  # forced past the check
     with pytest.raises(ValueError, match=r"logprobs\[1\] is -inf"):
         named(reply, "bob")
+
+
+def test_a_model_with_nan_logits_gives_no_turn_that_trains():
+    """A NaN log-prob stays NaN through the backends' clamp (`min(0.0, nan)` is 0.0: a broken model's turn
+    would train as certain), so `Message` refuses it."""
+    from SimpleTorchLLMRL.model.generation.sampling import clamp_logprob
+
+    assert clamp_logprob(1e-7) == 0.0 and clamp_logprob(-0.5) == -0.5
+    assert math.isnan(clamp_logprob(float("nan")))
+    with pytest.raises(ValueError, match=r"logprobs\[0\] is nan"):
+        Message("x", MessageType.MODEL, token_ids=[1], logprobs=[clamp_logprob(float("nan"))])

@@ -303,11 +303,18 @@ def cut_sample(tokenizer, ids: list[int], logprobs: list[float], cfg: SamplingCo
     return _sample(tokenizer, ids[: cfg.max_new_tokens], logprobs[: cfg.max_new_tokens], "length", None)
 
 
+def clamp_logprob(x) -> float:
+    """A sampled token's log-prob, rounding noise above 0 clamped to 0; NaN stays NaN (so `Message` refuses it:
+    `min(0.0, nan)` is 0.0, which would train a broken model's turn as certain)."""
+    x = float(x)
+    return x if x != x else min(0.0, x)
+
+
 def _sample(tokenizer, ids, logprobs, reason, stops) -> Sample:
     text = tokenizer.decode(ids, skip_special_tokens=True)
     if stops:
         text = text_through_stop(text, stops)
-    return Sample(list(ids), [min(0.0, float(x)) for x in logprobs], reason, text)
+    return Sample(list(ids), [clamp_logprob(x) for x in logprobs], reason, text)
 
 
 def default_eos_ids(tokenizer, model=None) -> tuple[int, ...]:

@@ -56,7 +56,7 @@ from collections.abc import Iterable
 
 import torch
 
-from SimpleTorchLLMRL.model.generation.sampling import Sample, SamplingConfig
+from SimpleTorchLLMRL.model.generation.sampling import Sample, SamplingConfig, clamp_logprob
 from SimpleTorchLLMRL.model.generation.vllm_engine import (
     compare_probe,
     engine_model_config,
@@ -231,7 +231,7 @@ class VLLMBackend:
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
         for p, s, out in zip(prompts, samples, outputs, strict=True):
             rows = out.prompt_logprobs[len(p):]  # one {id: Logprob} per completion token
-            s.logprobs = [min(0.0, float(row[tok].logprob)) for row, tok in zip(rows, s.token_ids, strict=True)]
+            s.logprobs = [clamp_logprob(row[tok].logprob) for row, tok in zip(rows, s.token_ids, strict=True)]
 
     def _sample(self, c, cfg: SamplingConfig) -> Sample:
         ids, logprobs = _ids_and_logprobs(c, len(c.token_ids))
@@ -334,7 +334,7 @@ def _ids_and_logprobs(c, count: int) -> tuple[list[int], list[float]]:
     ids = [int(t) for t in c.token_ids[:count]]
     if c.logprobs is None or len(c.logprobs) < len(ids):
         raise RuntimeError("vLLM returned no per-token log-probs; SamplingParams(logprobs=0) was ignored")
-    return ids, [min(0.0, float(c.logprobs[k][tok].logprob)) for k, tok in enumerate(ids)]
+    return ids, [clamp_logprob(c.logprobs[k][tok].logprob) for k, tok in enumerate(ids)]
 
 
 # ----------------------------------------------------------------------------- weight sync
