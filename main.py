@@ -44,7 +44,7 @@ from SimpleTorchLLMRL.recipes.calculator.cli import (
     load_policy,
     parse_args,
 )
-from SimpleTorchLLMRL.recipes.calculator.data import DatasetError, batch_at, check_context, load_data
+from SimpleTorchLLMRL.recipes.calculator.data import DatasetError, check_context, load_data
 from SimpleTorchLLMRL.recipes.calculator.evaluate import (
     accuracy_change,
     evaluate,
@@ -59,14 +59,15 @@ from SimpleTorchLLMRL.recipes.calculator.train_loop import (
     RunLock,
     Sampler,
     StopOnSignal,
+    batch_at,
     episode_stats,
     step_seed,
     trim_metrics,
     write_atomic,
 )
 from SimpleTorchLLMRL.tools import calculator
-from SimpleTorchLLMRL.trainer.combine import combine_metrics
 from SimpleTorchLLMRL.trainer.drift import logprob_drift
+from SimpleTorchLLMRL.trainer.losses import combine_metrics
 from SimpleTorchLLMRL.utils.checkpoint import (
     CheckpointError,
     load_checkpoint,

@@ -30,8 +30,9 @@ from SimpleTorchLLMRL import BoxedReward, ModelGenerate, collect_rollouts
 from SimpleTorchLLMRL.env import ToolUseEnv
 from SimpleTorchLLMRL.model.dropout import disable_dropout
 from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
-from SimpleTorchLLMRL.recipes.calculator.data import batch_at, load_data
+from SimpleTorchLLMRL.recipes.calculator.data import load_data
 from SimpleTorchLLMRL.recipes.calculator.evaluate import evaluate
+from SimpleTorchLLMRL.recipes.calculator.train_loop import batch_at
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 from SimpleTorchLLMRL.tools import calculator
 from SimpleTorchLLMRL.trainer.distill import Distill

@@ -13,9 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from SimpleTorchLLMRL.chat.message import Rollout
 from SimpleTorchLLMRL.chat.tokenize import rollouts_to_batch
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC, tiny_tokenizer
-from SimpleTorchLLMRL.trainer.combine import combine_metrics
 from SimpleTorchLLMRL.trainer.distill import Distill, DistillConfig, distill_loss, generalized_jsd, jsd_loss
-from SimpleTorchLLMRL.trainer.losses import LossInputs
+from SimpleTorchLLMRL.trainer.losses import LossInputs, combine_metrics
 from SimpleTorchLLMRL.trainer.teacher import attach_teacher_logprobs, hf_teacher_logprobs
 from tests.losses_helpers import (
     assert_grads_close,

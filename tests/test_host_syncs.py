@@ -23,9 +23,8 @@ from losses_helpers import make_rollouts, perturbed_copy, with_sampled_logprobs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from SimpleTorchLLMRL.model.scoring import head_triton
-from SimpleTorchLLMRL.trainer.combine import combine_metrics
 from SimpleTorchLLMRL.trainer.grpo import GRPO
-from SimpleTorchLLMRL.trainer.losses import LazyMetrics
+from SimpleTorchLLMRL.trainer.losses import LazyMetrics, combine_metrics
 from SimpleTorchLLMRL.trainer.off_policy import OffPolicy
 from SimpleTorchLLMRL.trainer.ppo import PPO
 

@@ -11,10 +11,10 @@ from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.reward.length import OverlongPenalty, overlong_penalty
 from SimpleTorchLLMRL.trainer import losses as L
 from SimpleTorchLLMRL.trainer import pipeline
-from SimpleTorchLLMRL.trainer.combine import combine_metrics
 from SimpleTorchLLMRL.trainer.distill import DistillConfig, distill_loss, jsd_loss
 from SimpleTorchLLMRL.trainer.dpo import DPOConfig, dpo_loss
 from SimpleTorchLLMRL.trainer.grpo import GRPO, GRPOConfig, grpo_loss
+from SimpleTorchLLMRL.trainer.losses import combine_metrics
 from SimpleTorchLLMRL.trainer.off_policy import OffPolicy
 from SimpleTorchLLMRL.trainer.options import ComputeOptions, UnknownOptionError
 from SimpleTorchLLMRL.trainer.ppo import PPO, PPOConfig, ppo_loss

@@ -20,9 +20,9 @@ import torch
 from fake_wandb import FakeWandb
 
 from SimpleTorchLLMRL.recipes.calculator.cli import DEFAULT_MODEL
-from SimpleTorchLLMRL.recipes.calculator.data import DatasetError, batch_at, check_rows, load_data, read_rows
+from SimpleTorchLLMRL.recipes.calculator.data import DatasetError, check_rows, load_data, read_rows
 from SimpleTorchLLMRL.recipes.calculator.evaluate import pass_at_k, summary_table
-from SimpleTorchLLMRL.recipes.calculator.train_loop import step_seed, trim_metrics
+from SimpleTorchLLMRL.recipes.calculator.train_loop import batch_at, step_seed, trim_metrics
 from SimpleTorchLLMRL.utils.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,9 +12,8 @@ import torch
 from losses_helpers import assert_grads_close, grads, make_rollouts, naive_logprobs, with_sampled_logprobs
 
 from SimpleTorchLLMRL.chat.message import MessageType
-from SimpleTorchLLMRL.trainer.combine import combine_metrics
 from SimpleTorchLLMRL.trainer.grpo import GRPO
-from SimpleTorchLLMRL.trainer.losses import SUM, LazyMetrics, mismatch_metrics
+from SimpleTorchLLMRL.trainer.losses import SUM, LazyMetrics, combine_metrics, mismatch_metrics
 from SimpleTorchLLMRL.trainer.off_policy import OffPolicy, correction_weights
 from SimpleTorchLLMRL.trainer.ppo import PPO
 

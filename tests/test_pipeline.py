@@ -6,9 +6,8 @@ from losses_helpers import make_rollouts, perturbed_copy, with_sampled_logprobs
 
 from SimpleTorchLLMRL.model.scoring.logprobs import ComputeOptions, score
 from SimpleTorchLLMRL.trainer import pipeline
-from SimpleTorchLLMRL.trainer.combine import combine_metrics
 from SimpleTorchLLMRL.trainer.grpo import GRPO, GRPOConfig, grpo_loss
-from SimpleTorchLLMRL.trainer.losses import MAX, MIN, SUM, TOKEN_MEAN, LazyMetrics
+from SimpleTorchLLMRL.trainer.losses import MAX, MIN, SUM, TOKEN_MEAN, LazyMetrics, combine_metrics
 from SimpleTorchLLMRL.trainer.ppo import PPO
 
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 2.0, 1.0, 0.0])

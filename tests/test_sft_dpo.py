@@ -12,9 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
-from SimpleTorchLLMRL.trainer.combine import combine_metrics
 from SimpleTorchLLMRL.trainer.dpo import DPO, DPOConfig, dpo_loss
-from SimpleTorchLLMRL.trainer.losses import LossInputs
+from SimpleTorchLLMRL.trainer.losses import LossInputs, combine_metrics
 from SimpleTorchLLMRL.trainer.sft import SFT, SFTConfig, sft_loss
 from tests.losses_helpers import assert_grads_close, grads, make_rollouts, naive_logprobs, perturbed_copy
 

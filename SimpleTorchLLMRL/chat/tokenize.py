@@ -459,5 +459,6 @@ def rollouts_to_batch(rollouts: list[Rollout], tokenizer, max_length: int | None
     `truncation` of the tokens sampled from a top-k / top-p / min-p distribution."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     batch = collate(encode_rollouts(rollouts, tokenizer, max_length, truncate, check_ids=check_ids), pad)
-    batch.truncation = batch_truncation(rollouts, batch.message_index, batch.sampler_logprobs)
+    if any(m.sampling for r in rollouts for m in r):  # a turn drawn from a changed distribution (else: none)
+        batch.truncation = batch_truncation(rollouts, batch.message_index, batch.sampler_logprobs)
     return batch

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+from SimpleTorchLLMRL.env.base import Env
 
 DEFAULT_MAX_TURNS = 10
 
@@ -70,13 +71,16 @@ def _finish(rollout: Rollout, reason: str) -> None:
     rollout.metadata["done_reason"] = reason
 
 
+def _defines(env, name: str) -> bool:
+    """Whether `env` has a method `name` of its own (not `Env`'s default, which does nothing)."""
+    own = getattr(type(env), name, None)
+    return callable(own) and own is not getattr(Env, name)
+
+
 def scores_episodes(env) -> bool:
     """Whether `collect_rollouts` asks `env.reward` for each episode: the env overrides `Env.reward` and
     has no batch scorer `score(rollouts)` (CodeEnv: its caller runs the sandbox `workers` at a time)."""
-    from SimpleTorchLLMRL.env.base import Env
-
-    own = getattr(type(env), "reward", None)
-    return callable(own) and own is not Env.reward and not callable(getattr(env, "score", None))
+    return _defines(env, "reward") and not callable(getattr(env, "score", None))
 
 
 def _end_episode(env, rollout: Rollout, score: bool) -> None:
@@ -89,10 +93,9 @@ def _end_episode(env, rollout: Rollout, score: bool) -> None:
                 rollout.metadata["reward"] = _as_reward(value)
         except Exception as e:  # noqa: BLE001  (a failing reward is data: the rollout carries no reward)
             rollout.metadata["reward_error"] = f"{type(e).__name__}: {e}"
-    close = getattr(env, "close", None)
-    if callable(close):
+    if _defines(env, "close"):
         try:
-            close(state)
+            env.close(state)
         except Exception as e:  # noqa: BLE001
             rollout.metadata.setdefault("env_error", f"close: {type(e).__name__}: {e}")
 

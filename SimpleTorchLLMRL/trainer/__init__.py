@@ -5,7 +5,7 @@
     from SimpleTorchLLMRL.trainer.distill import Distill  # on-policy distillation (reverse KL, JSD)
     from SimpleTorchLLMRL.trainer.sft import SFT          # and trainer.dpo.DPO
     from SimpleTorchLLMRL.trainer import pipeline, losses # the preparation steps; LossInputs -> LossOutput
-    from SimpleTorchLLMRL.trainer.combine import combine_metrics  # micro-batch metrics -> the batch's
+    from SimpleTorchLLMRL.trainer.losses import combine_metrics   # micro-batch metrics -> the batch's
 
 Nothing is imported here; import the modules. (The seed's path `SimpleTorchLLMRL.trainer.GRPO`
 is served by `SimpleTorchLLMRL.seed`.)

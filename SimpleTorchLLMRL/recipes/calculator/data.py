@@ -3,10 +3,8 @@
     train, held_out = load_data(None, eval_size=200, seed=0)     # built-in synthetic arithmetic
     train, held_out = load_data("data.jsonl", eval_size=200, seed=0)
     train, held_out = load_data("rg:basic_arithmetic", eval_size=200, seed=0)   # a reasoning-gym task
-    rows = batch_at(train, position=16, batch_size=8, seed=0)    # rows 16..23 of the seeded order
 
-The order is a function of (seed, position) only, so a run resumed at a saved
-position sees exactly the rows an uninterrupted run would have seen.
+Each step's rows are `train_loop.batch_at`'s (a seeded order, a function of the position only).
 """
 
 from __future__ import annotations
@@ -150,24 +148,6 @@ def load_data(spec: str | None, eval_size: int, seed: int) -> tuple[list[dict], 
     held = sorted(order[:n_eval])
     train = sorted(order[n_eval:])
     return [rows[i] for i in train], [rows[i] for i in held]
-
-
-@functools.lru_cache(maxsize=4)
-def epoch_order(n: int, epoch: int, seed: int) -> tuple[int, ...]:
-    """A permutation of range(n), fixed by (seed, epoch)."""
-    order = list(range(n))
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    return tuple(order)
-
-
-def batch_at(rows: list[dict], position: int, batch_size: int, seed: int) -> list[dict]:
-    """`batch_size` rows starting at `position` of the endless seeded order (a new shuffle per epoch)."""
-    n = len(rows)
-    out = []
-    for p in range(position, position + batch_size):
-        epoch, i = divmod(p, n)
-        out.append(rows[epoch_order(n, epoch, seed)[i]])
-    return out
 
 
 def check_prompt_lengths(rows: list[dict], prompt_length, budget: int, context: int | None, spec: str | None,

@@ -1,5 +1,6 @@
-"""Small helpers `main.py` uses around its loop: step seeds, the sampler, each step's episode stats, the
-metrics log, files, the run lock.
+"""Small helpers `main.py` uses around its loop: step seeds and rows (`batch_at`: a seeded order, a
+function of the position only, so a resumed run sees exactly the rows an uninterrupted one would), the
+sampler, each step's episode stats, the metrics log, files, the run lock.
 
 The steps every loop shares (seeding, the LR schedule, the checked optimizer step, checkpoints)
 are the library's: `SimpleTorchLLMRL.utils.training` and `SimpleTorchLLMRL.utils.checkpoint`.
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import copy
 import fcntl
+import functools
 import json
 import os
+import random
 import signal
 import socket
 import sys
@@ -38,6 +41,24 @@ LOCK_NAME = ".lock"  # in --output-dir while a run holds it
 def step_seed(seed: int, step: int, stream: int = ROLLOUT_STREAM) -> int:
     """The sampling seed of one step: a function of (seed, step) only, so a resumed run resamples the same."""
     return (seed * 1_000_003 + step * 2 + stream) % 2**62
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(n: int, epoch: int, seed: int) -> tuple[int, ...]:
+    """A permutation of range(n), fixed by (seed, epoch)."""
+    order = list(range(n))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return tuple(order)
+
+
+def batch_at(rows: list[dict], position: int, batch_size: int, seed: int) -> list[dict]:
+    """`batch_size` rows starting at `position` of the endless seeded order (a new shuffle per epoch)."""
+    n = len(rows)
+    out = []
+    for p in range(position, position + batch_size):
+        epoch, i = divmod(p, n)
+        out.append(rows[epoch_order(n, epoch, seed)[i]])
+    return out
 
 
 class Sampler:

@@ -39,8 +39,7 @@ from SimpleTorchLLMRL.recipes.router_r1.generation import (
 )
 from SimpleTorchLLMRL.recipes.router_r1.pool import RoutingPool
 from SimpleTorchLLMRL.recipes.router_r1.reward import RouterReward, RouterRewardOutput
-from SimpleTorchLLMRL.trainer.combine import combine_metrics
-from SimpleTorchLLMRL.trainer.losses import normalizer
+from SimpleTorchLLMRL.trainer.losses import combine_metrics, normalizer
 from SimpleTorchLLMRL.utils.checkpoint import save_checkpoint, save_pretrained_atomic
 from SimpleTorchLLMRL.utils.metrics import MetricsLogger
 from SimpleTorchLLMRL.utils.training import clipped_step, seed_everything, warmup_constant
