@@ -15,6 +15,7 @@ from SimpleTorchLLMRL.chat.ids_text import check_ids_decode
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import as_sampled, encode_rollout, rollouts_to_batch
 from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
+from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.testing.tiny import TINY_CALC
 
 
@@ -80,8 +81,8 @@ def calc():
 ])
 def test_what_the_generator_leaves_always_passes(calc, options):
     model, tok = calc
-    options = {"max_new_tokens": 24, "temperature": 1.0, "seed": 0, **options}
-    gen = ModelGenerate(model, tok, **options)
+    sampling = SamplingConfig(**{"max_new_tokens": 24, "temperature": 1.0, **options})
+    gen = ModelGenerate(model, tok, sampling=sampling, seed=0)
     prompts = [Rollout([Message(f"What is {a} + {b}?")]) for a in range(4) for b in (7, 95)]
     rollouts = [r.copy() for r in prompts]
     for r, msgs in zip(rollouts, gen.generate(prompts, n=1), strict=True):
