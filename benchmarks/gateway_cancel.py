@@ -100,7 +100,8 @@ def main() -> None:
             hang_up(url, a.long, a.after, extra)
             after.append(short_call(url, a.short, extra))
             time.sleep(0.2)
-            generated.append(steps["n"] - before - short_steps)  # steps of the long call (less the short one's)
+            # steps of the long call, less the short one's (0 when it was stopped while the two shared steps)
+            generated.append(max(0, steps["n"] - before - short_steps))
         busy = statistics.median(after)
     label = "backend=vllm" if a.backend == "vllm" else f"decode={a.decode}"
     print(f"{label}: a {a.short}-token request idle {idle:.3f} s; after a {a.long}-token stream hung up "

@@ -7,7 +7,7 @@ Two threads on one `ModelGenerate` (the embedded model, defaults temperature 0.7
 the first generates with its own settings (temperature 1.9, 3 tokens, stop "zz") and is held inside the
 model's forward; meanwhile the second reads the generator's settings (what the gateway parses requests
 against) and generates with the defaults. Prints what each saw; the second must see the defaults.
-(tests/test_gateway_sampling.py holds the same scenario as a test.)
+(tests/gateway/test_gateway_sampling.py holds the same scenario as a test.)
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ part, that would not fit is skipped and says so in the JSON:
                  Liger body, TRL (HF `generate`), ours with LoRA r=16: seconds per phase and peak CUDA memory
     compile      regional compilation (`torch.compile` of each decoder layer) against eager, same batch
     generation   the fast decode's agreement with HF `generate` (tiny model, float32: identical ids, sampled
-                 too) and tests/test_fast_decode.py on CUDA
+                 too) and tests/model/test_fast_decode.py on CUDA
     quickstart   the README's quick start, its model moved to CUDA: rewards and clip fractions it prints
 
 The goals it is read against (docs/benchmarks.md#gpu): loss + backward at least as fast as TRL + Liger and
@@ -84,7 +84,7 @@ def part_generation(device: str, smoke: bool, timeout: float) -> dict:
                             "--json", str(path), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
         out[name] = json.loads(path.read_text()) if p.returncode == 0 else {"error": p.stderr[-3000:]}
         print(p.stdout, flush=True)
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fast_decode.py",
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/model/test_fast_decode.py",
                         *([] if smoke else ["-k", "cuda"])], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     out["tests"] = {"rc": p.returncode, "summary": p.stdout.strip().splitlines()[-1:] + p.stderr.splitlines()[-3:]}
     return out
@@ -218,7 +218,7 @@ def part_profile(device: str, smoke: bool) -> dict:
         grpo.compute_options.head_impl = impl
         by_impl[impl] = _times(model, grpo, tb, device, 3)
     grpo.compute_options.head_impl = impls[-1]  # the one "auto" takes on CUDA
-    syncs = host_syncs(model, grpo, tb)  # 0 expected (tests/test_host_syncs.py); CUDA also checks every timed step
+    syncs = host_syncs(model, grpo, tb)  # 0 expected (tests/trainer/test_host_syncs.py); CUDA also checks every timed step
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         _loss_backward(model, grpo, tb, device)

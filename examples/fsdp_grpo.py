@@ -19,7 +19,7 @@ tensor ... wrong gradients" once. It is about `hidden_states[0]`, the embedding 
 FSDP2 hands back as a view of the all-gathered embedding; the loss reads only the final hidden
 state (`hidden_states[-1]`, not a view) and nothing here modifies any output in place, so the
 hazard it warns of (an in-place op dropping the pre-backward hook) cannot happen. Gradients are
-checked against an unsharded run in tests/test_fsdp.py.
+checked against an unsharded run in tests/distributed/test_fsdp.py.
 """
 
 from __future__ import annotations

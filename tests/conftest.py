@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny tokenizers and models built locally (nothing is downloaded)."""
+"""Fixtures every package's tests share: tiny tokenizers and models built locally, the embedded calculator model
+(nothing is downloaded). Each folder's conftest.py adds what its package's tests share."""
 
 import os
 
@@ -9,9 +10,9 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from stages import pytest_collection_modifyitems, pytest_runtest_protocol  # noqa: E402, F401 (the two stages' hooks)
-
 from SimpleTorchLLMRL.testing.tiny import tiny_model, tiny_tokenizer  # noqa: E402
+from tests.support.gateway_helpers import load_calc  # noqa: E402
+from tests.support.stages import pytest_collection_modifyitems, pytest_runtest_protocol  # noqa: E402, F401 (the two stages' hooks)
 
 # Tiny models gain nothing from intra-op threads; one thread avoids oversubscribing small CI machines.
 torch.set_num_threads(1)
@@ -54,3 +55,24 @@ def llama_model(llama3_tokenizer):
 def gpt2_model(plain_tokenizer):
     return tiny_model("gpt2", plain_tokenizer)
 
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The ChatML tokenizer, one per module (tests may save or extend it)."""
+    return tiny_tokenizer("chatml")
+
+
+@pytest.fixture(scope="module")
+def calc():
+    """(model, tokenizer) of the embedded calculator model, left-padded, in eval mode; one per module."""
+    return load_calc()
+
+
+@pytest.fixture
+def restore_qwen2(monkeypatch):
+    """Liger patches transformers' qwen2 module for the whole process: put it back after the test."""
+    from transformers.models.qwen2 import modeling_qwen2
+
+    for name in ("apply_rotary_pos_emb", "Qwen2RMSNorm", "Qwen2MLP"):
+        monkeypatch.setattr(modeling_qwen2, name, getattr(modeling_qwen2, name))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run pytest as an unprivileged user (nobody) from a root shell, e.g.
-#     bash tests/run_unprivileged.sh tests/test_sandbox_attacks.py -k "not unprivileged_caller"
+#     bash tests/run_unprivileged.sh tests/tools/test_sandbox_attacks.py -k "not unprivileged_caller"
 # The project's interpreter often lives under /root (mode 0700), which nobody cannot enter: in a
 # private mount namespace a tmpfs covers /root and only the interpreter's installation is bound back.
 set -euo pipefail

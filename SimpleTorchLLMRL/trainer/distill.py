@@ -8,7 +8,7 @@ Legend: B rollouts, T tokens, N trained tokens, n of a chunk, H hidden size, V v
 
 `distill_loss`: A_t = -kl_coef (log p_student(y_t) - log p_teacher(y_t)) (+ an RL advantage), constant,
 in the policy-gradient loss -A_t r_t (or PPO-clipped); its expected gradient is that of KL(student ||
-teacher) (GKD; `tests/test_distill.py` checks it exactly). `jsd_loss`: GKD's generalized JSD over full
+teacher) (GKD; `tests/trainer/test_distill.py` checks it exactly). `jsd_loss`: GKD's generalized JSD over full
 distributions in TRL's `beta` convention, chunk by chunk under checkpoint, never (B, T, V). Where the
 teacher's log-probs come from: `trainer.teacher`.
 """

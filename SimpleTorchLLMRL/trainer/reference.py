@@ -2,7 +2,7 @@
 
 The readable definition of the default loss (loss_type "grpo", eps 0.2, beta 0, groups of identical
 prompts, the rollouts' sampling temperature, turns drawn without top-k / top-p / min-p).
-`tests/test_grpo.py` holds it equal to the real path in value and gradient. It builds the full
+`tests/trainer/test_grpo.py` holds it equal to the real path in value and gradient. It builds the full
 (B, T, V) log-softmax: for reading and testing, not for training.
 """
 

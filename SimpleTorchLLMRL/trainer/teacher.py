@@ -6,7 +6,7 @@ teacher's log p(input_ids[:, t] | input_ids[:, :t]) on the trained tokens, 0 els
 - an HF model: `hf_teacher_logprobs`, the chunked head the trainer uses, under `torch.no_grad`;
 - a vLLM engine: `vllm_teacher_logprobs`, one prefill per rollout with `prompt_logprobs=0` (from the
   untempered logits: temperature 1 only). The engine only scores, so this module imports `vllm`
-  itself, never the library's generation package (the trainer never imports it: `tests/test_layout.py`);
+  itself, never the library's generation package (the trainer never imports it: `tests/project/test_layout.py`);
 - precomputed: `rollout_teacher_logprobs` reads `rollout.metadata["teacher_logprobs"]` (one entry per
   message: None, or that message's tokens' log-probs; plain JSON, it survives rollout files);
   `attach_teacher_logprobs` writes it.

@@ -71,7 +71,7 @@ def _holds_adapters(model) -> bool:
     """A peft model, told as `model.lora.is_peft_model` tells it (`peft_config` and `disable_adapter`).
 
     Asked here, not imported: utils sits under every library package and imports none of them
-    (docs/architecture.md, the layers); `tests/test_checkpoint.py` holds the two to the same answers.
+    (docs/architecture.md, the layers); `tests/utils/test_checkpoint.py` holds the two to the same answers.
     """
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 

@@ -1,4 +1,4 @@
-"""Run by this environment's own pytest (tests/test_integrations_own_envs.py starts it from the repository root)."""
+"""Run by this environment's own pytest (tests/integrations/test_integrations_own_envs.py starts it from the repository root)."""
 
 import os
 import sys

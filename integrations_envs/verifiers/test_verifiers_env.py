@@ -9,13 +9,13 @@ import re
 import pytest
 import torch
 import verifiers.v1 as vf
+from tests.grpo_steps import grpo_steps, tiny_policy
+from tests.integration_envs import run_docs_recipe
 from tiny_sum import PROBLEMS, SumData, SumTask
 
 from SimpleTorchLLMRL.chat.message import MessageType
 from SimpleTorchLLMRL.gateway import Gateway
 from SimpleTorchLLMRL.integrations.verifiers import collect, load_env
-from tests.grpo_steps import grpo_steps, tiny_policy
-from tests.integration_envs import run_docs_recipe
 
 SAMPLING = {"temperature": 1.0, "max_tokens": 24}
 

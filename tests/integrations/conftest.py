@@ -1,0 +1,2 @@
+"""Tests of integrations. Shared fixtures: tests/conftest.py (tokenizers, tiny models, the embedded calculator model);
+shared helpers: tests/support/."""

@@ -1,0 +1,2 @@
+"""Tests of project. Shared fixtures: tests/conftest.py (tokenizers, tiny models, the embedded calculator model);
+shared helpers: tests/support/."""
