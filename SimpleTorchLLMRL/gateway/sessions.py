@@ -18,6 +18,14 @@ call of the session either
 
 An assistant message the client wrote itself is always context (trainable=False).
 
+A call of token ids (the token route) is planned the same way on ids: it merges when its ids are the
+previous call's ids followed by one of its replies' sampled ids (then any new ids), and forks otherwise.
+Its rollout holds the ids as they were sent: each stretch of prompt ids the client added is a context
+message (MESSAGE, `trainable=False`, carrying those `token_ids`; its text is their decoding), each reply a
+MODEL message, so the rollout's messages' ids, concatenated, are exactly the last prompt and its reply.
+`encode_rollout` refuses such a rollout (it renders messages by the chat template, and ids sent as ids have
+no messages): join them to the conversation first (`integrations.verifiers`), or concatenate the ids.
+
 Which session a call belongs to (`SessionStore.open`): a call with an `X-Session-Id` goes to
 that one named session, and runs the rules above (merge or fork). A call without one (named
 by its API key) is matched by conversation prefix among the open sessions of that key: it
@@ -82,9 +90,20 @@ def shown_view(content: str | None, tool_calls: list[dict]) -> tuple:
     return view({"role": "assistant", "content": content or "", "tool_calls": calls})
 
 
+TOKENS = "token_ids"  # the options of a token call: it merges only onto a token call
+
+
 def options_of(req: GenRequest) -> str:
-    """The call's tools and template options, as one comparable string."""
+    """The call's tools and template options, as one comparable string (TOKENS for a call of token ids)."""
+    if req.tokens is not None:
+        return TOKENS
     return json.dumps([req.tools, req.template_kwargs], sort_keys=True, default=str)
+
+
+def context_ids(ids: list[int]) -> list[Message]:
+    """Prompt ids sent as ids, as the context message that carries them (none for no ids); the gateway fills in
+    its text (`Gateway._encode`)."""
+    return [Message("", MessageType.MESSAGE, token_ids=list(ids), trainable=False)] if ids else []
 
 
 def named(reply: Message, name: str | None) -> Message:
@@ -132,6 +151,8 @@ class Session:
 
     def plan(self, req: GenRequest) -> Plan:
         """Merge onto the branch when the request extends it by one of its replies; fork otherwise."""
+        if req.tokens is not None:
+            return self._plan_ids(req.tokens)
         b, views, options = self.branch, [view(t) for t in req.messages], options_of(req)
         metadata = {"session": self.name, **({"tools": req.tools} if req.tools else {}),
                     **({"chat_template_kwargs": req.template_kwargs} if req.template_kwargs else {})}
@@ -145,6 +166,28 @@ class Session:
                 return Plan(Rollout(messages, metadata), views, closed, True, options)
         closed = b.rollouts() if b is not None else []
         return Plan(Rollout([to_message(t) for t in req.messages], metadata), views, closed, False, options)
+
+    def continued(self, ids: list[int]) -> int | None:
+        """The reply of a token branch that `ids` continue (they start with its prompt, then that reply), or None."""
+        b = self.branch
+        if b is None or b.options != TOKENS:
+            return None
+        prompt = b.views[0]
+        n = len(prompt)
+        if len(ids) < n or tuple(ids[:n]) != prompt:
+            return None
+        return next((j for j, shown in enumerate(b.shown) if tuple(ids[n:n + len(shown)]) == shown), None)
+
+    def _plan_ids(self, ids: list[int]) -> Plan:
+        """`plan` of a call of token ids: merge when the ids continue a reply of the branch, else fork."""
+        b, j, metadata = self.branch, self.continued(ids), {"session": self.name, "prompt": TOKENS}
+        views = [tuple(ids)]
+        if j is not None:
+            at = len(b.views[0]) + len(b.shown[j])
+            closed = [b.rollout(i) for i in range(len(b.replies)) if i != j]
+            messages = [*b.prompt.messages, b.replies[j], *context_ids(ids[at:])]
+            return Plan(Rollout(messages, metadata), views, closed, True, TOKENS)
+        return Plan(Rollout(context_ids(ids), metadata), views, b.rollouts() if b is not None else [], False, TOKENS)
 
     def record(self, plan: Plan, replies: list[Message], shown: list[tuple]) -> None:
         self.finished.extend(plan.closed)
@@ -162,7 +205,7 @@ class Session:
 def _branch_keys(s: Session) -> list[tuple]:
     """The index keys of a session's branch: one per reply the client may continue."""
     b = s.branch
-    if b is None:
+    if b is None or b.options == TOKENS:  # token branches are matched by id prefix (`SessionStore._match`)
         return []
     prefix = tuple(b.views)
     return [(s.name, b.options, prefix, shown) for shown in set(b.shown)]
@@ -220,7 +263,11 @@ class SessionStore:
         return s, plan
 
     def _match(self, name: str, req: GenRequest) -> Session | None:
-        """The idle session of `name` whose branch the request extends by one of its replies (longest first)."""
+        """The idle session of `name` whose branch the request extends by one of its replies (longest first; a
+        call of token ids: the least recently used of that name's sessions that it continues)."""
+        if req.tokens is not None:
+            return next((s for s in self._sessions.values()
+                         if s.name == name and not s.busy and s.continued(req.tokens) is not None), None)
         views, options = [view(t) for t in req.messages], options_of(req)
         for k in range(len(views) - 1, -1, -1):
             if views[k][0] != "assistant":
@@ -354,13 +401,34 @@ class SessionStore:
                                f"{list(dict.fromkeys(s.name for s in self._sessions.values() if s.calls))}")
             return [r.copy() for s in sessions for r in s.rollouts()]
 
-    def pop(self, name: str) -> list[Session]:
-        """Forget every session of `name`; returns them (oldest first)."""
+    def take(self, names: list[str]) -> dict[str, list[Session]]:
+        """Forget every session of each name; returns them by name (oldest first; [] for a name without one).
+        A ValueError, taking nothing, when one of them has a call in flight (its reply would be lost)."""
+        wanted = set(names)
         with self._lock:
-            out = sorted((s for s in self._sessions.values() if s.name == name), key=lambda s: s.id)
-            for s in out:
-                self._drop(s)
+            out = {name: [] for name in names}
+            for s in sorted((s for s in self._sessions.values() if s.name in wanted), key=lambda s: s.id):
+                out[s.name].append(s)
+            busy = [name for name, sessions in out.items() if any(s.busy for s in sessions)]
+            if busy:
+                raise ValueError(f"sessions {busy} have a call in flight: take them once their calls are answered")
+            for sessions in out.values():
+                for s in sessions:
+                    self._drop(s)
             return out
+
+    def sizes(self) -> list[dict]:
+        """Each name with a recorded call: its calls, rollouts, calls in flight and seconds since its last call."""
+        with self._lock:
+            now, out = self.clock(), {}
+            for s in sorted((s for s in self._sessions.values() if s.calls), key=lambda s: s.id):
+                size = out.setdefault(s.name, {"id": s.name, "calls": 0, "rollouts": 0, "in_flight": 0,
+                                               "idle_seconds": now - s.last_used})
+                size["calls"] += s.calls
+                size["rollouts"] += len(s.finished) + (len(s.branch.replies) if s.branch else 0)
+                size["in_flight"] += s.busy
+                size["idle_seconds"] = 0.0 if size["in_flight"] else min(size["idle_seconds"], now - s.last_used)
+            return list(out.values())
 
     def pop_all(self) -> list[Session]:
         with self._lock:
