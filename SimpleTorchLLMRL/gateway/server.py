@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 from SimpleTorchLLMRL.chat.message import MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
-from SimpleTorchLLMRL.gateway.batcher import Batcher, Job
+from SimpleTorchLLMRL.gateway.batcher import Batcher, Job, NamedLocks
 from SimpleTorchLLMRL.gateway.chat import reply_choice
 from SimpleTorchLLMRL.gateway.request import (
     DEFAULT_MAX_BODY_BYTES,
@@ -45,7 +45,7 @@ from SimpleTorchLLMRL.gateway.request import (
     parse_json,
     read_body,
 )
-from SimpleTorchLLMRL.gateway.sessions import NamedLocks, Plan, SessionStore, shown_view
+from SimpleTorchLLMRL.gateway.sessions import Plan, SessionStore, shown_view
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 
 ANONYMOUS = "default"
@@ -136,9 +136,9 @@ class Gateway:
         return self.store.rollouts(session)
 
     def take(self, session_ids) -> dict[str, list[Rollout]]:
-        """Finish those sessions: each one's rollouts (finished ones, then one per reply of its last call; [] for
-        an id without a session), removed from the gateway; the ones not yet final are written to `record_to`
-        now. A session with a call in flight is a ValueError, and nothing is taken."""
+        """Finish those sessions (names; a str is one): {id: its rollouts} (finished ones, then one per reply of its
+        last call; [] for an id without a session), removed from the gateway; the ones not yet final are written
+        to `record_to` now. A session with a call in flight is a ValueError, and nothing is taken."""
         ids = [session_ids] if isinstance(session_ids, str) else list(session_ids)
         if not all(isinstance(i, str) for i in ids):
             raise TypeError(f"session_ids must be session names (str), got {ids!r:.200}")
@@ -147,7 +147,7 @@ class Gateway:
         return {name: [r for s in sessions for r in s.rollouts()] for name, sessions in taken.items()}
 
     def clear(self, session: str) -> list[Rollout]:
-        """Forget one session; returns its rollouts (`take` of one)."""
+        """Forget one session; returns its rollouts (`take` of one: a ValueError while it has a call in flight)."""
         return self.take([session])[session]
 
     def close(self) -> None:

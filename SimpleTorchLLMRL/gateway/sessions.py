@@ -18,13 +18,7 @@ call of the session either
 
 An assistant message the client wrote itself is always context (trainable=False).
 
-A call of token ids (the token route) is planned the same way on ids: it merges when its ids are the
-previous call's ids followed by one of its replies' sampled ids (then any new ids), and forks otherwise.
-Its rollout holds the ids as they were sent: each stretch of prompt ids the client added is a context
-message (MESSAGE, `trainable=False`, carrying those `token_ids`; its text is their decoding), each reply a
-MODEL message, so the rollout's messages' ids, concatenated, are exactly the last prompt and its reply.
-`encode_rollout` refuses such a rollout (it renders messages by the chat template, and ids sent as ids have
-no messages): join them to the conversation first (`integrations.verifiers`), or concatenate the ids.
+A call of token ids (the token route) merges or forks by the same rules on ids (`tokens.plan_ids`).
 
 Which session a call belongs to (`SessionStore.open`): a call with an `X-Session-Id` goes to
 that one named session, and runs the rules above (merge or fork). A call without one (named
@@ -42,25 +36,23 @@ response's conversation) for as long as its session lives, so `previous_response
 the session; the links of a finished session go with it, and a session keeps its last
 `MAX_LINKS` only.
 
-Calls of one X-Session-Id run in order under that name's lock (`NamedLocks`): a lock exists only while a
-call holds or waits for it, so the locks are bounded by the calls in flight, never by the names seen.
+Calls of one X-Session-Id run in order under that name's lock (`batcher.NamedLocks`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import itertools
 import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.gateway.request import GenRequest
+from SimpleTorchLLMRL.gateway.tokens import TOKENS, continued, plan_ids
 
 MAX_LINKS = 256  # links a session keeps (its latest responses); older ones are forgotten
 
@@ -90,9 +82,6 @@ def shown_view(content: str | None, tool_calls: list[dict]) -> tuple:
     return view({"role": "assistant", "content": content or "", "tool_calls": calls})
 
 
-TOKENS = "token_ids"  # the options of a token call: it merges only onto a token call
-
-
 def options_of(req: GenRequest) -> str:
     """The call's tools and template options, as one comparable string (TOKENS for a call of token ids)."""
     if req.tokens is not None:
@@ -100,10 +89,6 @@ def options_of(req: GenRequest) -> str:
     return json.dumps([req.tools, req.template_kwargs], sort_keys=True, default=str)
 
 
-def context_ids(ids: list[int]) -> list[Message]:
-    """Prompt ids sent as ids, as the context message that carries them (none for no ids); the gateway fills in
-    its text (`Gateway._encode`)."""
-    return [Message("", MessageType.MESSAGE, token_ids=list(ids), trainable=False)] if ids else []
 
 
 def named(reply: Message, name: str | None) -> Message:
@@ -152,7 +137,9 @@ class Session:
     def plan(self, req: GenRequest) -> Plan:
         """Merge onto the branch when the request extends it by one of its replies; fork otherwise."""
         if req.tokens is not None:
-            return self._plan_ids(req.tokens)
+            messages, closed, merged = plan_ids(self.branch, req.tokens)
+            return Plan(Rollout(messages, {"session": self.name, "prompt": TOKENS}), [tuple(req.tokens)], closed,
+                        merged, TOKENS)
         b, views, options = self.branch, [view(t) for t in req.messages], options_of(req)
         metadata = {"session": self.name, **({"tools": req.tools} if req.tools else {}),
                     **({"chat_template_kwargs": req.template_kwargs} if req.template_kwargs else {})}
@@ -166,28 +153,6 @@ class Session:
                 return Plan(Rollout(messages, metadata), views, closed, True, options)
         closed = b.rollouts() if b is not None else []
         return Plan(Rollout([to_message(t) for t in req.messages], metadata), views, closed, False, options)
-
-    def continued(self, ids: list[int]) -> int | None:
-        """The reply of a token branch that `ids` continue (they start with its prompt, then that reply), or None."""
-        b = self.branch
-        if b is None or b.options != TOKENS:
-            return None
-        prompt = b.views[0]
-        n = len(prompt)
-        if len(ids) < n or tuple(ids[:n]) != prompt:
-            return None
-        return next((j for j, shown in enumerate(b.shown) if tuple(ids[n:n + len(shown)]) == shown), None)
-
-    def _plan_ids(self, ids: list[int]) -> Plan:
-        """`plan` of a call of token ids: merge when the ids continue a reply of the branch, else fork."""
-        b, j, metadata = self.branch, self.continued(ids), {"session": self.name, "prompt": TOKENS}
-        views = [tuple(ids)]
-        if j is not None:
-            at = len(b.views[0]) + len(b.shown[j])
-            closed = [b.rollout(i) for i in range(len(b.replies)) if i != j]
-            messages = [*b.prompt.messages, b.replies[j], *context_ids(ids[at:])]
-            return Plan(Rollout(messages, metadata), views, closed, True, TOKENS)
-        return Plan(Rollout(context_ids(ids), metadata), views, b.rollouts() if b is not None else [], False, TOKENS)
 
     def record(self, plan: Plan, replies: list[Message], shown: list[tuple]) -> None:
         self.finished.extend(plan.closed)
@@ -267,7 +232,7 @@ class SessionStore:
         call of token ids: the least recently used of that name's sessions that it continues)."""
         if req.tokens is not None:
             return next((s for s in self._sessions.values()
-                         if s.name == name and not s.busy and s.continued(req.tokens) is not None), None)
+                         if s.name == name and not s.busy and continued(s.branch, req.tokens) is not None), None)
         views, options = [view(t) for t in req.messages], options_of(req)
         for k in range(len(views) - 1, -1, -1):
             if views[k][0] != "assistant":
@@ -438,25 +403,3 @@ class SessionStore:
             self._index.clear()
             self._links.clear()
             return out
-
-
-class NamedLocks:
-    """One asyncio.Lock per name while a call holds or waits for it; dropped when the last one leaves."""
-
-    def __init__(self):
-        self._locks: dict[str, list] = {}  # name -> [lock, holders and waiters]
-
-    def __len__(self) -> int:
-        return len(self._locks)
-
-    @contextlib.asynccontextmanager
-    async def hold(self, name: str) -> AsyncIterator[None]:
-        entry = self._locks.setdefault(name, [asyncio.Lock(), 0])
-        entry[1] += 1
-        try:
-            async with entry[0]:
-                yield
-        finally:
-            entry[1] -= 1
-            if not entry[1]:
-                del self._locks[name]

@@ -11,10 +11,17 @@ id (vLLM 0.32's `token_id`):
                                         "logprobs": {"content": [{"token": "token_id:42", "token_id": 42,
                                                                   "logprob": -0.3}, ...]}}]}
 
-A call is recorded in its session (X-Session-Id, else the API key) by id prefix: a call whose ids start with
-the previous call's ids followed by one of its replies merges onto it; any other forks
-(`sessions.Session.plan`). Every field is honoured, accepted without effect, or refused (400 naming it as
-`sampling_params.<key>` inside the sampling parameters).
+Every field is honoured, accepted without effect, or refused (400 naming it as `sampling_params.<key>` inside
+the sampling parameters).
+
+A call is recorded in its session (X-Session-Id, else the API key; `sessions`) by id prefix (`plan_ids`): it
+merges when its ids are the previous call's ids followed by one of its replies' sampled ids (then any new
+ids), and forks otherwise. Its rollout holds the ids as they were sent: each stretch of prompt ids the client
+added is a context message (MESSAGE, `trainable=False`, carrying those `token_ids`; its text is their
+decoding), each reply a MODEL message, so the rollout's messages' ids, concatenated, are exactly the last
+prompt and its reply. `encode_rollout` refuses such a rollout (it renders messages through the chat template,
+and ids sent as ids have no messages): join them to the conversation first (`integrations.verifiers`), or
+concatenate the ids.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from SimpleTorchLLMRL.chat.message import Message, MessageType
 from SimpleTorchLLMRL.gateway.request import (
     FINISH,
     MAX_N,
@@ -41,6 +49,7 @@ from SimpleTorchLLMRL.gateway.request import (
     stop_field,
 )
 
+TOKENS = "token_ids"  # the session options of a token call: it merges only onto a token call
 HONOURED = frozenset({"model", "token_ids", "sampling_params", "request_id", "return_token_ids"})
 NO_EFFECT = frozenset({"cache_salt"})  # a prefix-cache salt: this gateway keeps no cache across requests
 
@@ -147,3 +156,36 @@ def render(result: Result, req: GenRequest, ctx) -> dict:
     if opts.return_token_ids:
         out["prompt_token_ids"] = result.prompt_ids[0]
     return out
+
+
+# ----------------------------------------------------------------------------- the session plan, by ids
+
+
+def continued(branch, ids: list[int]) -> int | None:
+    """The reply of a token branch (`sessions.Branch`) that `ids` continue: they start with its prompt, then that
+    reply's sampled ids. None when they continue none (or the branch is a conversation's)."""
+    if branch is None or branch.options != TOKENS:
+        return None
+    prompt = branch.views[0]
+    n = len(prompt)
+    if len(ids) < n or ids[n - 1] != prompt[-1] or tuple(ids[:n]) != prompt:  # the cheap test first
+        return None
+    return next((j for j, shown in enumerate(branch.shown) if tuple(ids[n:n + len(shown)]) == shown), None)
+
+
+def context_ids(ids: list[int]) -> list[Message]:
+    """Prompt ids sent as ids, as the context message that carries them (none for no ids); the gateway fills in
+    its text off the event loop (`Gateway._encode`)."""
+    return [Message("", MessageType.MESSAGE, token_ids=list(ids), trainable=False)] if ids else []
+
+
+def plan_ids(branch, ids: list[int]) -> tuple[list[Message], list, bool]:
+    """A token call's plan on its session's branch: (the prompt's messages, the rollouts it closes, merged).
+    Merged: the branch's messages, the continued reply, the new ids; the other replies are closed. Forked: the
+    ids as one context message; every reply of the branch is closed."""
+    j = continued(branch, ids)
+    if j is None:
+        return context_ids(ids), branch.rollouts() if branch is not None else [], False
+    at = len(branch.views[0]) + len(branch.shown[j])
+    closed = [branch.rollout(i) for i in range(len(branch.replies)) if i != j]
+    return [*branch.prompt.messages, branch.replies[j], *context_ids(ids[at:])], closed, True
