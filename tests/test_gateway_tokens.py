@@ -107,6 +107,7 @@ def test_n_choices_each_with_their_ids(served, calc):
      "unsupported_parameter"),
     ({"token_ids": [1, 2], "sampling_params": {"temperature": "1"}}, "sampling_params.temperature", None),
     ({"token_ids": [1, 2], "sampling_params": {"stop_token_ids": [-1]}}, "sampling_params.stop_token_ids", None),
+    ({"token_ids": [1, 2], "sampling_params": {"stop_token_ids": 0}}, "sampling_params.stop_token_ids", None),
     ({"token_ids": [1, 2], "sampling_params": []}, "sampling_params", None),
     ({"token_ids": [1, 2], "stream": True}, "stream", "unsupported_parameter"),
     ({"token_ids": [1, 2], "features": {"mm_hashes": {}}}, "features", "unsupported_parameter"),

@@ -128,8 +128,8 @@ def parse(body: Any, ctx) -> GenRequest:
         raise bad("'sampling_params' must be an object", "sampling_params")
     with _inside("sampling_params"):
         check_fields(params, SAMPLING_HONOURED, SAMPLING_NO_EFFECT, SAMPLING_REFUSED)
-        stop_ids = _ids(params["stop_token_ids"], ctx.vocab_size, "stop_token_ids") if params.get(
-            "stop_token_ids") else []
+        given = params.get("stop_token_ids")
+        stop_ids = [] if given is None or given == [] else _ids(given, ctx.vocab_size, "stop_token_ids")
         top_k = int_field(params, "top_k", -1, None, ctx.defaults.top_k)  # vLLM's -1 and 0: off
         max_tokens = int_field(params, "max_tokens", 1, None, None)
         stop = stop_field(params)
