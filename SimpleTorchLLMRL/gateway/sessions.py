@@ -89,8 +89,6 @@ def options_of(req: GenRequest) -> str:
     return json.dumps([req.tools, req.template_kwargs], sort_keys=True, default=str)
 
 
-
-
 def named(reply: Message, name: str | None) -> Message:
     """The sampled reply as the agent `name` the client gave it when replaying it (a copy; ids kept)."""
     return reply if name is None or name == reply.name else replace(reply, name=name)

@@ -1,27 +1,11 @@
-"""POST /inference/v1/generate (token ids in, token ids out) at the two ends of the pipeline: `parse` and `render`.
+"""POST /inference/v1/generate (vLLM's token-in/token-out route: verifiers' renderer client, prime-rl) at the two
+ends of the pipeline, `parse` and `render`, and its session plan by id prefix (`plan_ids`).
 
-The route of vLLM's token-in/token-out server, which verifiers' renderer client (`client.type = "train"`) and
-prime-rl call: the client renders the conversation to ids itself and sends them; the reply is the sampled ids
-with their log-probs, the sampled token named as `"token_id:<id>"` (what verifiers' renderers parse) and by its
-id (vLLM 0.32's `token_id`):
-
-    {"model": "policy", "token_ids": [...], "sampling_params": {"temperature": 1.0, "max_tokens": 64,
-                                                                "stop_token_ids": [...], "logprobs": 1}}
-    -> {"request_id": ..., "choices": [{"index": 0, "token_ids": [...], "finish_reason": "stop",
-                                        "logprobs": {"content": [{"token": "token_id:42", "token_id": 42,
-                                                                  "logprob": -0.3}, ...]}}]}
-
-Every field is honoured, accepted without effect, or refused (400 naming it as `sampling_params.<key>` inside
-the sampling parameters).
-
-A call is recorded in its session (X-Session-Id, else the API key; `sessions`) by id prefix (`plan_ids`): it
-merges when its ids are the previous call's ids followed by one of its replies' sampled ids (then any new
-ids), and forks otherwise. Its rollout holds the ids as they were sent: each stretch of prompt ids the client
-added is a context message (MESSAGE, `trainable=False`, carrying those `token_ids`; its text is their
-decoding), each reply a MODEL message, so the rollout's messages' ids, concatenated, are exactly the last
-prompt and its reply. `encode_rollout` refuses such a rollout (it renders messages through the chat template,
-and ids sent as ids have no messages): join them to the conversation first (`integrations.verifiers`), or
-concatenate the ids.
+Every field is honoured, accepted without effect, or refused (400 naming it, `sampling_params.<key>` inside the
+sampling parameters). A call merges onto its session when its ids are the previous call's, then one of its
+replies' sampled ids, then any new ids; it forks otherwise. Each stretch of prompt ids is a context message
+(MESSAGE, `trainable=False`, carrying those `token_ids`), each reply a MODEL message: the rollout's ids,
+concatenated, are exactly the last prompt and its reply (docs/gateway.md, "Token sessions").
 """
 
 from __future__ import annotations
@@ -52,20 +36,13 @@ from SimpleTorchLLMRL.gateway.request import (
 TOKENS = "token_ids"  # the session options of a token call: it merges only onto a token call
 HONOURED = frozenset({"model", "token_ids", "sampling_params", "request_id", "return_token_ids"})
 NO_EFFECT = frozenset({"cache_salt"})  # a prefix-cache salt: this gateway keeps no cache across requests
-
-
-def _unset(value: Any) -> bool:
-    return value is None
-
-
 REFUSED = {
     "stream": (lambda v: v in (None, False), "streaming is not supported on /inference/v1/generate"),
     "priority": (lambda v: v in (None, 0), "request priorities are not supported"),
     "output_mode": (lambda v: v in (None, "tokens"), "only output_mode 'tokens' is supported"),
-    **{key: (_unset, f"'{key}' is not supported (text-only token prompts)") for key in ("features", "content_parts")},
-    **{key: (_unset, f"'{key}' is not supported") for key in (
-        "stream_options", "kv_transfer_params", "ec_transfer_params", "reasoning_ended", "reasoning_parser_kwargs",
-        "token_offsets")},
+    **{key: (lambda v: v is None, f"'{key}' is not supported") for key in (
+        "features", "content_parts", "stream_options", "kv_transfer_params", "ec_transfer_params",
+        "reasoning_ended", "reasoning_parser_kwargs", "token_offsets")},
 }
 SAMPLING_HONOURED = frozenset({"n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "stop_token_ids",
                                "seed", "logit_bias", "frequency_penalty", "presence_penalty"})
@@ -78,7 +55,7 @@ SAMPLING_REFUSED = {
     "repetition_penalty": (lambda v: v in (None, 1, 1.0), "repetition_penalty is not supported"),
     "min_tokens": (lambda v: v in (None, 0), "min_tokens is not supported"),
     "ignore_eos": (lambda v: v in (None, False), "ignore_eos is not supported"),
-    **{key: (_unset, f"'{key}' is not supported") for key in (
+    **{key: (lambda v: v is None, f"'{key}' is not supported") for key in (
         "prompt_logprobs", "structured_outputs", "guided_decoding", "bad_words", "allowed_token_ids",
         "logits_processors", "truncate_prompt_tokens", "extra_args")},
 }
