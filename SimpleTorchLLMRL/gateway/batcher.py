@@ -13,6 +13,10 @@ A job is cancelled (`Job.cancel`: its client hung up) and its rows stop within a
 result is dropped; the other rows of the batch sample exactly what they would have. A job with a
 `listener` (`gateway.streaming.Listener`: a stream) also receives its rows' ids as they are sampled.
 `batches` keeps the sizes of the last MAX_RECORDS batches (for tests and logs).
+
+Calls of one session named by X-Session-Id run in order, one at a time, under that name's lock (`NamedLocks`):
+a lock exists only while a call holds or waits for it, so the locks are bounded by the calls in flight, never
+by the names seen.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import dataclasses
 import json
 import threading
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from SimpleTorchLLMRL.model.generation.sampling import DecodeWatch, SamplingConfig
@@ -180,3 +185,25 @@ def _watch(jobs: list[Job], n: int) -> DecodeWatch:
 
     streams = any(j.listener is not None for j in jobs)
     return DecodeWatch(on_tokens if streams else None, lambda r: jobs[r // n].cancelled)
+
+
+class NamedLocks:
+    """One asyncio.Lock per name while a call holds or waits for it; dropped when the last one leaves."""
+
+    def __init__(self):
+        self._locks: dict[str, list] = {}  # name -> [lock, holders and waiters]
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, name: str) -> AsyncIterator[None]:
+        entry = self._locks.setdefault(name, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._locks[name]

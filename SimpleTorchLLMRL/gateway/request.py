@@ -310,8 +310,10 @@ class GenRequest:
     """One generation request, whatever route it came by: what the pipeline runs.
 
     messages: a conversation (normalized chat messages: `chat.normalize_message`), planned in its session
-    (merge or fork), encoded by the chat template with `tools` and `template_kwargs`, and recorded. prompts:
-    raw prompts instead (text, or token ids), each encoded as it is and sampled `n` times; not recorded.
+    (merge or fork), encoded by the chat template with `tools` and `template_kwargs`, and recorded. tokens: a
+    prompt of token ids instead (the token route), generated from as it is, planned in its session by id prefix
+    and recorded (`sessions.Session.plan`). prompts: raw prompts (text, or token ids), each encoded as it is and
+    sampled `n` times; not recorded.
     grammar: what every reply must match, built and compiled by the pipeline off the event loop
     (`structured.GrammarSpec`; None: unconstrained). stop: the request's own stop strings (left out of the
     text it is shown). top_logprobs: alternatives per sampled token (0: none). session: (name, named by
@@ -320,6 +322,7 @@ class GenRequest:
 
     sampling: SamplingConfig
     messages: list[dict] | None = None
+    tokens: list[int] | None = None
     prompts: list[str | list[int]] | None = None
     tools: list[dict] | None = None
     template_kwargs: dict = field(default_factory=dict)
@@ -333,11 +336,16 @@ class GenRequest:
     session: tuple[str, bool] | None = None
     options: Any = None
 
+    @property
+    def recorded(self) -> bool:
+        """A conversation or a token prompt: planned in a session and recorded."""
+        return self.messages is not None or self.tokens is not None
+
 
 def check_prompt_size(req: GenRequest, max_context: int | None) -> None:
     """400 (context_length_exceeded) when the prompt is too long to fit even at CHARS_PER_TOKEN characters a
     token: a bound that costs no tokenization. Counts message contents, their tool calls and the tools."""
-    if max_context is None:
+    if max_context is None or req.tokens is not None:  # token ids: counted exactly when encoded
         return
     if req.prompts is not None:
         sizes = [len(p) for p in req.prompts if isinstance(p, str)]
