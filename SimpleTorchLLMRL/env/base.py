@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from SimpleTorchLLMRL.chat.message import Message, Rollout
+from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 
 
 class Env:
@@ -58,8 +58,6 @@ class SingleTurnEnv(Env):
         self.system_prompt = system_prompt
 
     def setup(self, question, answer=None):
-        from SimpleTorchLLMRL.chat.message import MessageType
-
         msgs = [Message(self.system_prompt, MessageType.SYSTEM)] if self.system_prompt else []
         msgs.append(Message(str(question), MessageType.MESSAGE))
         return msgs, {"answer": answer}
