@@ -1,15 +1,11 @@
 """Find tool calls in model text. Each format is a small parser with `parse(text) -> list[ToolCall]`.
 
     JsonToolCallParser    <tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>
-                          (Hermes / Qwen style; several objects or a JSON list per block are allowed)
     TagToolCallParser     <calculator>2+3</calculator>, <search>who wrote Hamlet</search>
     CodeBlockParser       ```python\\nprint(2+3)\\n```
 
-Parsers never raise on model text: a call they recognise but cannot read (bad JSON,
-no name, arguments that are not an object) comes back as a `ToolCall` with `error`
-set, so the registry can tell the model what went wrong. `parse_tool_calls` runs
-several parsers and returns their calls in text order, dropping a call that lies
-inside another one (e.g. a <tool_call> written inside a python block).
+Parsers never raise on model text: a call they cannot read comes back with `error` set. `parse_tool_calls`
+runs several and returns their calls in text order, dropping a call inside another one.
 """
 
 from __future__ import annotations

@@ -5,12 +5,9 @@
     calls = registry.parse(model_message)          # list[ToolCall]
     tool_messages = registry.execute(calls)        # list[Message], type TOOL, name = tool name
 
-`execute` never raises for anything a model can write: malformed JSON, an unknown
-tool, wrong argument types, a tool that raises, a tool that runs past its timeout
-all become TOOL messages that say what went wrong, so the episode continues.
-Calls run concurrently, one daemon thread each. A timed-out call is abandoned, not
-killed (Python threads cannot be); tools that may hang for good should run their
-work in a process, as the python sandbox does.
+`execute` never raises for what a model can write: every failure (bad JSON, unknown tool, wrong arguments, a
+raising or timed-out tool) is a TOOL message saying so. Calls run concurrently, one daemon thread each; a
+timed-out call is abandoned, not killed (tools that may hang for good run in a process, as the sandbox does).
 """
 
 from __future__ import annotations
