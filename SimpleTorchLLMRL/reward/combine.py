@@ -4,12 +4,9 @@ Legend: B batch.
 
     reward = CombinedReward([(BoxedReward(), 1.0), (FormatReward.from_tags(["think"]), 0.1)])
     total = reward(rollouts, answers)            # (B,) float32 = 1.0 * boxed + 0.1 * format
-    reward.last_components                       # {"boxed": (B,), "format": (B,)}, unweighted
-    total, parts = reward.compute(rollouts, answers)
+    total, parts = reward.compute(rollouts, answers)   # parts: {"boxed": (B,), "format": (B,)}, unweighted
 
-Components are any callables `fn(rollouts, ground_truths) -> (B,)`; their names
-come from `names=`, else their `.name`, else their `__name__`, made unique with a
-suffix ("boxed", "boxed_1"). The sum is taken in float64, then cast to float32.
+Names come from `names=`, else `.name` / `__name__`, made unique ("boxed", "boxed_1"); summed in float64.
 """
 
 from __future__ import annotations

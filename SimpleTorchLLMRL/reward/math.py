@@ -1,18 +1,15 @@
 r"""Math answers: extract `\boxed{...}`, normalize, and decide equivalence.
 
-`math_equal(pred, gold)` is True when the two answers are equivalent. In order:
-`answer_rule` (anti-hacking rules, the same with or without math-verify: hedges like
-`17 or 18` score nothing, and against a numeric gold the answer must be a number
-written as a result, compared exactly); then the optional `math-verify` package
-(`uv sync --extra math`), whose verdict is final when it gives one (it runs in worker
-processes with a deadline: `math_verify_pool`); then a careful normalizer:
+`math_equal(pred, gold)`: the anti-hacking rules first (`answer_rule`: hedges like `17 or 18` score nothing;
+against a numeric gold the answer must be a number, compared exactly), then `math-verify` when installed
+(final when it gives a verdict; in worker processes with a deadline), then a careful normalizer:
 
     1/2 == 0.5 == \frac{1}{2} == \dfrac12 == \cfrac{1}{2} == \left(\frac12\right)   3.0 == 3 == +3
     "1,000" == 1000 == 1{,}000 ("32, 349" is a list)   5\text{ cm} == 5\textnormal{ cm} == 5 cm == 5
     x = 3 == 3     90^\circ == 90     50\% == $50$ % == 50     $-2$ == -2 (unicode minus)
     (1, \frac{1}{2}) == (1,0.5)   (elementwise; brackets must match: (1,2] != (1,2))
 
-It does no algebra: 2\sqrt{2} vs \sqrt{8} needs math-verify. See docs/rewards.md.
+It does no algebra (2\sqrt{2} vs \sqrt{8} needs math-verify). See docs/rewards.md.
 """
 
 from __future__ import annotations
