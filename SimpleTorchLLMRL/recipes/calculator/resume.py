@@ -5,11 +5,8 @@
         load_checkpoint(ckpt, model, optimizer, scheduler)   # only after every comparison passed
     save_checkpoint(..., state=checkpoint_state(args, model, step, wandb_run_id))
 
-Refused, with nothing written (exit 2): a flag that shapes the weights differs (compared
-first: --model, --lora, --qlora, --lora-rank, --lora-alpha, --dtype, then the model's config), a flag
-that shapes the data or the updates differs, --steps below the checkpoint's step, every
-checkpoint corrupt (`--restart` starts over instead), a metrics.jsonl with a bad line that is
-not a torn last line, a checkpoints/ that is a dangling symlink or cannot be read.
+Refused, nothing written (exit 2): a flag that shapes the weights (`WEIGHT_FLAGS`, then the model's config)
+or the run (`RUN_FLAGS`) differs, --steps below the checkpoint's, every checkpoint corrupt, a bad metrics line.
 """
 
 from __future__ import annotations
