@@ -2,11 +2,7 @@
 
     seed_everything(0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_constant(10))
-    ...loss.backward()...
-    grad_norm = clipped_step(optimizer, max_grad_norm=1.0)   # raises NonFiniteError, weights untouched
-    scheduler.step()
-
-`main.py`'s calculator recipe and the Router-R1 trainer both step through these.
+    grad_norm = clipped_step(optimizer, max_grad_norm=1.0)   # after backward; NonFiniteError, weights untouched
 """
 
 from __future__ import annotations
