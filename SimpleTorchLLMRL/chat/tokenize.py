@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from SimpleTorchLLMRL.chat.ids_text import check_ids_decode
-from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+from SimpleTorchLLMRL.chat.message import MessageType, Rollout
 from SimpleTorchLLMRL.chat.template import ChatTemplate, chat_template_for
 from SimpleTorchLLMRL.chat.truncation import Truncation, batch_truncation
 
@@ -122,18 +122,14 @@ class _Ids:
     logprobs: list[float] | None = None
 
 
-def _check_sampled(msg: Message, index: int) -> None:
-    if msg.token_ids is not None and msg.type is not MessageType.MODEL:
-        raise ValueError(f"message {index} is a {msg.type.name} message with token_ids; only MODEL turns are sampled")
-
-
 def _template(rollout: Rollout, tokenizer) -> ChatTemplate:
     return chat_template_for(tokenizer, rollout.metadata.get("tools"), rollout.metadata.get("chat_template_kwargs"))
 
 
 def _plan(rollout: Rollout, tokenizer, for_prompt: bool) -> list:
     for i, m in enumerate(rollout):
-        _check_sampled(m, i)
+        if m.token_ids is not None and m.type is not MessageType.MODEL:
+            raise ValueError(f"message {i} is a {m.type.name} message with token_ids; only MODEL turns are sampled")
     if not has_chat_template(tokenizer):
         return _plain_plan(rollout, tokenizer)
     ct = _template(rollout, tokenizer)

@@ -57,14 +57,6 @@ def mixed_precision_policy(mixed_precision):
     )
 
 
-def _check_not_quantized(model: nn.Module) -> None:
-    if any(type(m).__name__ in ("Linear4bit", "Linear8bitLt") for m in model.modules()):
-        raise ValueError(
-            "wrap_fsdp2 does not shard bitsandbytes 4/8-bit weights; train QLoRA on one device per process "
-            "(data parallel), or use LoRA on a bf16 base with FSDP2"
-        )
-
-
 def wrap_fsdp2(model: nn.Module, mesh=None, mixed_precision=None, *, reshard_after_forward: bool = True,
                cpu_offload: bool = False, blocks: Iterable[nn.Module] | None = None) -> nn.Module:
     """Shard `model` (plain or peft) in place with FSDP2: each transformer block, then the root; returns it.
@@ -75,7 +67,9 @@ def wrap_fsdp2(model: nn.Module, mesh=None, mixed_precision=None, *, reshard_aft
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    _check_not_quantized(model)
+    if any(type(m).__name__ in ("Linear4bit", "Linear8bitLt") for m in model.modules()):
+        raise ValueError("wrap_fsdp2 does not shard bitsandbytes 4/8-bit weights; train QLoRA on one device per "
+                         "process (data parallel), or use LoRA on a bf16 base with FSDP2")
     if not torch.distributed.is_initialized():
         raise RuntimeError("wrap_fsdp2 needs an initialized process group: call init_distributed() under torchrun")
     kwargs = dict(mesh=mesh)

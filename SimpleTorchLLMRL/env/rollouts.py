@@ -24,10 +24,6 @@ from SimpleTorchLLMRL.env.base import Env
 DEFAULT_MAX_TURNS = 10
 
 
-def _error_message(what: str, exc: BaseException) -> Message:
-    return Message(f"Error: {what} failed with {type(exc).__name__}: {exc}", MessageType.TOOL)
-
-
 def _check_step_result(result) -> tuple[list[Message], bool]:
     if not (isinstance(result, tuple) and len(result) == 2):
         raise TypeError(f"Env.step must return (messages, done), got {type(result).__name__}")
@@ -45,7 +41,8 @@ def _step(env, rollout: Rollout) -> tuple[list[Message], bool, str | None]:
         msgs, done = _check_step_result(env.step(rollout, rollout.metadata.get("env_state")))
         return msgs, done, None
     except Exception as e:  # noqa: BLE001  (any env failure is data, not a crash of the batch)
-        return [_error_message("the environment step", e)], True, f"{type(e).__name__}: {e}"
+        failed = f"{type(e).__name__}: {e}"
+        return [Message(f"Error: the environment step failed with {failed}", MessageType.TOOL)], True, failed
 
 
 def _setup(env, question, answer, group_id: int, tools) -> Rollout:

@@ -23,10 +23,6 @@ from SimpleTorchLLMRL.reward.base import check_batch
 RewardFn = Callable[[Sequence[Rollout], Sequence[Any] | None], torch.Tensor]
 
 
-def _component_name(fn) -> str:
-    return str(getattr(fn, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__)
-
-
 class CombinedReward:
     """sum_i weight_i * reward_i(rollouts, ground_truths); components kept in `last_components`."""
 
@@ -51,7 +47,7 @@ class CombinedReward:
         else:
             names, seen = [], {}
             for fn, _ in rewards:
-                base = _component_name(fn)
+                base = str(getattr(fn, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__)
                 k = seen.get(base, 0)
                 seen[base] = k + 1
                 names.append(base if k == 0 else f"{base}_{k}")

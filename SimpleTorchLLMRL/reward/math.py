@@ -42,11 +42,6 @@ def _brace_pairs(text: str) -> dict[int, int]:
     return pairs
 
 
-def _match_brace(text: str, open_at: int) -> int | None:
-    """Index of the `}` closing the `{` at `open_at`; None if unbalanced."""
-    return _brace_pairs(text).get(open_at)
-
-
 def extract_boxed(text: str | None) -> str | None:
     r"""Content of the last complete `\boxed{...}` (or `\fbox{...}`, or `\boxed 5`) in `text`.
 
@@ -232,7 +227,7 @@ def normalize_math(answer) -> str:
     s = re.sub(r"\s+", "", s)
     s = _fix_fracs(s)
     for _ in range(3):  # "{7}" -> "7", "(\frac{1}{3})" -> "\frac{1}{3}" (bounded: each check is a linear scan)
-        if s.startswith("{") and s.endswith("}") and _match_brace(s, 0) == len(s) - 1:
+        if s.startswith("{") and s.endswith("}") and _brace_pairs(s).get(0) == len(s) - 1:
             s = s[1:-1]
         elif s.startswith("(") and s.endswith(")") and _single_group(s):
             s = s[1:-1]

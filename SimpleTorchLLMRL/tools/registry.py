@@ -47,12 +47,6 @@ class ToolResult:
         return Message(self.content, MessageType.TOOL, name=self.name)
 
 
-def _truncate(text: str, limit: int) -> str:
-    if len(text) <= limit:
-        return text
-    return text[:limit] + f"\n[... {len(text) - limit} more characters truncated]"
-
-
 class ToolRegistry:
     """Tools by name.
 
@@ -192,7 +186,9 @@ class ToolRegistry:
             content, ok = f"Error: tool {t.name!r} raised {type(e).__name__}: {e}", False
         if not isinstance(content, str):
             content = str(content)
-        content = _truncate(content, self.max_output_chars)
+        limit = self.max_output_chars
+        if len(content) > limit:
+            content = content[:limit] + f"\n[... {len(content) - limit} more characters truncated]"
         results[i] = ToolResult(t.name, content, ok, seconds=time.monotonic() - start)
 
     def execute(self, calls: Sequence[ToolCall]) -> list[Message]:

@@ -85,13 +85,9 @@ def _load_model_state(model, state: dict[str, torch.Tensor]) -> None:
         except RuntimeError as e:  # "size mismatch for ...": another architecture's weights
             detail = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), str(e))
             raise ValueError(f"checkpoint does not fit the model: {detail}") from e
-        if unexpected or [k for k in missing if k not in _tied_keys(model)]:
+        tied = set(getattr(model, "_tied_weights_keys", None) or ())  # a list, or a dict of tied names
+        if unexpected or [k for k in missing if k not in tied]:
             raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
-
-
-def _tied_keys(model) -> set[str]:
-    keys = getattr(model, "_tied_weights_keys", None) or {}
-    return set(keys if not isinstance(keys, dict) else keys.keys())
 
 
 def rng_state() -> dict[str, Any]:

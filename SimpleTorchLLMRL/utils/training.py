@@ -29,10 +29,6 @@ def warmup_constant(warmup_steps: int):
     return lambda s: min(1.0, (s + 1) / (warmup_steps + 1)) if warmup_steps else 1.0
 
 
-def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
 def clipped_step(optimizer: torch.optim.Optimizer, max_grad_norm: float | None = 1.0) -> float:
     """Clip the gradients of `optimizer`'s parameters to `max_grad_norm`, step, zero the gradients.
 
@@ -41,7 +37,7 @@ def clipped_step(optimizer: torch.optim.Optimizer, max_grad_norm: float | None =
     step made NaN/inf (an infinite learning rate, an overflowing optimizer state) raise it too,
     so that a loop never checkpoints them.
     """
-    params = _params(optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     if max_grad_norm is None:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     else:

@@ -32,10 +32,6 @@ _NOT_ARCHITECTURE = {"_name_or_path", "transformers_version", "torch_dtype", "dt
                      "_attn_implementation", "_attn_implementation_autoset", "attn_implementation"}
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def model_config(model) -> dict[str, Any]:
     """The model's config as JSON values, without the entries that do not shape the weights."""
     config = getattr(model, "config", None)
@@ -94,7 +90,8 @@ def resume_point(out: Path, args: argparse.Namespace, model) -> tuple[Path | Non
 def _compare(names, before: dict, now: dict, ckpt: Path, what: str) -> None:
     for name in names:
         if name in before and before[name] != now[name]:
-            raise UsageError(f"--resume: {_flag(name)} is {now[name]!r} but the checkpointed run ({ckpt}) used "
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"--resume: {flag} is {now[name]!r} but the checkpointed run ({ckpt}) used "
                              f"{before[name]!r}; every flag that shapes {what} must match")
 
 
