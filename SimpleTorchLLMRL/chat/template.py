@@ -333,10 +333,9 @@ class ChatTemplate:
         The template's own rendering of just the new messages: a fixed conversation
         (a user turn, then `previous` with a sentinel for its content) rendered with and
         without `block`; the text after the sampled turn's end-of-turn token is theirs.
-        ended: the sampled ids end with a turn-ending token (then only what follows it is
-        added); otherwise the template's end-of-turn is added too. Returns the text and
-        the spans of the block's trainable messages (indices into `block`) in it. first: the rollout
-        index of block[0], for error messages.
+        ended: the sampled ids end with a turn-ending token (then only what follows it is added); otherwise
+        the template's end-of-turn is added too. Returns the text and the spans of the block's trainable
+        messages (indices into `block`) in it. first: the rollout index of block[0], for error messages.
         """
         if self.tools is not None:  # tool definitions belong to the first prompt, not to later turns
             return self.without_tools().continuation(previous, block, generation_prompt, ended, trainable, first)

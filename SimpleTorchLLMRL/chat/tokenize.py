@@ -29,10 +29,9 @@ NAN = float("nan")
 class EncodedRollout:
     """Token-level view of one rollout. All lists have the same length.
 
-    sampler_logprobs[t] is the sampled log-prob of input_ids[t] (NaN where the
-    token was not sampled by a generator); None when no message carries any.
-    message_index[t] is the index of the message whose sampled or trained
-    token input_ids[t] is, -1 for template text and untrained messages.
+    sampler_logprobs[t] is the sampled log-prob of input_ids[t] (NaN where the token was not sampled by a
+    generator); None when no message carries any. message_index[t] is the index of the message whose sampled
+    or trained token input_ids[t] is, -1 for template text and untrained messages.
     """
 
     input_ids: list[int]
@@ -350,10 +349,9 @@ def encode_rollout(rollout: Rollout, tokenizer, max_length: int | None = None,
 def encode_prompt(rollout: Rollout, tokenizer) -> list[int]:
     """The ids a generator conditions on for the next MODEL turn.
 
-    With a template: the rollout as sampled so far plus the template's rendering
-    of the messages since the last sampled turn and the generation prompt (for a
-    rollout without sampled turns, `apply_chat_template(..., add_generation_prompt=True)`).
-    Plain concatenation without a template.
+    With a template: the rollout as sampled so far plus the template's rendering of the messages since the
+    last sampled turn and the generation prompt (for a rollout without sampled turns,
+    `apply_chat_template(..., add_generation_prompt=True)`). Plain concatenation without a template.
     """
     return _encode([rollout], tokenizer, for_prompt=True)[0].input_ids
 

@@ -55,9 +55,8 @@ def set_trainable_agents(rollout: Rollout, agents: str | Iterable[str], *, stric
                          inplace: bool = True) -> Rollout:
     """Mark each MODEL turn trainable iff its `name` is in `agents`; other messages are untouched.
 
-    strict: a name in `agents` that never speaks, or a MODEL turn without a name,
-    raises ValueError (a typo would otherwise silently train nothing). Returns the
-    rollout (a copy when `inplace=False`).
+    strict: a name in `agents` that never speaks, or a MODEL turn without a name, raises ValueError (a typo
+    would otherwise silently train nothing). Returns the rollout (a copy when `inplace=False`).
     """
     chosen = _agent_set(agents)
     if strict:

@@ -185,9 +185,8 @@ def load_adapters(base: nn.Module, path: str | os.PathLike, names: Sequence[str]
                   is_trainable: bool = True):
     """The PeftModel of `save_adapters`: `base` (a plain model, or a PeftModel to add to) plus each `path/<name>/`.
 
-    names: default those listed in `path/agents.json`. With `is_trainable`, adapters saved
-    trainable are trainable again and frozen ones stay frozen; otherwise all are frozen.
-    The first adapter is active.
+    names: default those listed in `path/agents.json`. With `is_trainable`, adapters saved trainable are
+    trainable again and frozen ones stay frozen; otherwise all are frozen. The first adapter is active.
     """
     from peft import PeftModel
 

@@ -66,9 +66,8 @@ def apply_lora(model: nn.Module, r: int = 16, alpha: float = 32, target_modules:
                dropout: float = 0.0, *, adapter_dtype: torch.dtype | str = "base", **kwargs: Any):
     """Wrap `model` in a `PeftModel` with LoRA adapters; only adapter weights require grad.
 
-    target_modules="all-linear" adapts every linear layer except the output
-    head. Extra kwargs (e.g. `init_lora_weights=False`, `use_rslora=True`,
-    `modules_to_save=[...]`) are passed to `peft.LoraConfig`.
+    target_modules="all-linear" adapts every linear layer except the output head. Extra kwargs (e.g.
+    `init_lora_weights=False`, `use_rslora=True`, `modules_to_save=[...]`) are passed to `peft.LoraConfig`.
 
     adapter_dtype: "base" (default) keeps the adapters in the base model's floating dtype
     (a 4-bit base: its compute dtype), so peft never upcasts a layer's input and keeps that
@@ -211,8 +210,7 @@ def merge_for_export(model: nn.Module, *, inplace: bool = False) -> nn.Module:
     """A plain transformers model with the LoRA deltas folded into the base weights.
 
     By default works on a deep copy, so training can continue on `model`.
-    A 4-bit base cannot be merged exactly: load the base in full precision,
-    `load_adapter` it, and merge that.
+    A 4-bit base cannot be merged exactly: load the base in full precision, `load_adapter` it, and merge that.
     """
     if not is_peft_model(model):
         raise ValueError("merge_for_export needs a PeftModel; a plain model needs no merging")

@@ -195,10 +195,9 @@ def _fix_fracs(s: str) -> str:
 def normalize_math(answer) -> str:
     r"""A canonical string for a math answer (no algebra; see the module docstring).
 
-    Unicode NFKC, math delimiters, spacing and sizing commands, `\dfrac`/`\tfrac`,
-    degrees, percent and dollar signs, trailing `\text{}` units, a leading
-    `x =`, thousands separators, whitespace, a trailing period and a redundant
-    outer pair of braces are removed; text-only answers are lower-cased.
+    Unicode NFKC, math delimiters, spacing and sizing commands, `\dfrac`/`\tfrac`, degrees, percent and dollar
+    signs, trailing `\text{}` units, a leading `x =`, thousands separators, whitespace, a trailing period and
+    a redundant outer pair of braces are removed; text-only answers are lower-cased.
     """
     s = unicodedata.normalize("NFKC", str(answer)).translate(_UNICODE)
     s = _strip_delimiters(s.replace("\n", " "))
@@ -264,11 +263,10 @@ def too_costly(answer: str) -> bool:
 def answer_rule(pred: str, gold: str, rel_tol: float = 1e-9) -> bool | None:
     r"""The verdict of the anti-hacking rules, or None when they leave it to the comparison.
 
-    False: the answer hedges (`17 or 18`, `5 is not the answer`), or the gold is a number
-    (or a list of numbers) and the answer is not written as one: `645 \times 49`,
-    `\sqrt{4}`, `\frac{4}{2}` restate a question rather than answer it. Numbers against
-    numbers are decided here, exactly (integers never within a tolerance), the same way
-    with and without math-verify.
+    False: the answer hedges (`17 or 18`, `5 is not the answer`), or the gold is a number (or a list of
+    numbers) and the answer is not written as one: `645 \times 49`, `\sqrt{4}`, `\frac{4}{2}` restate a
+    question rather than answer it. Numbers against numbers are decided here, exactly (integers never within a
+    tolerance), the same way with and without math-verify.
     """
     if hedge_words(pred, gold):
         return False

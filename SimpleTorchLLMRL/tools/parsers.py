@@ -197,11 +197,10 @@ class LastClosedBlock:
         tracker = LastClosedBlock(CodeBlockParser())
         tracker.code_at_end(text)   # the block's code when it ends `text` (whitespace aside), else None
 
-    Each call scans only what was appended since the previous call (a text that is not
-    an extension of the previous one is scanned from the start), so calling it at
-    every step of a growing generation costs time linear in the final length. An
-    opener's match ends at the first newline after it, so an opener search that failed
-    is final for every start before the text's last newline.
+    Each call scans only what was appended since the previous call (a text that is not an extension of the
+    previous one is scanned from the start), so calling it at every step of a growing generation costs time
+    linear in the final length. An opener's match ends at the first newline after it, so an opener search that
+    failed is final for every start before the text's last newline.
     """
 
     def __init__(self, parser: CodeBlockParser):

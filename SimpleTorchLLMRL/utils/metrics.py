@@ -5,8 +5,7 @@
     logger.close()
     rows = read_metrics(output_dir / "metrics.jsonl")
 
-wandb is imported only when asked for; without a login it runs offline, so a
-run never blocks on the network.
+wandb is imported only when asked for; without a login it runs offline, so a run never blocks on the network.
 """
 
 from __future__ import annotations

@@ -32,10 +32,9 @@ def warmup_constant(warmup_steps: int):
 def clipped_step(optimizer: torch.optim.Optimizer, max_grad_norm: float | None = 1.0) -> float:
     """Clip the gradients of `optimizer`'s parameters to `max_grad_norm`, step, zero the gradients.
 
-    Returns the gradient norm before clipping. A NaN/inf gradient norm raises `NonFiniteError`
-    before the step (the weights stay as they were; the gradients are zeroed). Weights that the
-    step made NaN/inf (an infinite learning rate, an overflowing optimizer state) raise it too,
-    so that a loop never checkpoints them.
+    Returns the gradient norm before clipping. A NaN/inf gradient norm raises `NonFiniteError` before the step
+    (the weights stay as they were; the gradients are zeroed). Weights that the step made NaN/inf (an infinite
+    learning rate, an overflowing optimizer state) raise it too, so that a loop never checkpoints them.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if max_grad_norm is None:
