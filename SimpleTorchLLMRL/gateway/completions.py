@@ -1,8 +1,5 @@
 """POST /v1/completions (OpenAI's legacy text completions) at the two ends of the pipeline: `parse` and `render`.
-
-A prompt is raw text (or token ids), tokenized as it is, with no chat template, and continued by the same
-batched generator as chat requests. These calls are not recorded as rollouts: a rollout is a conversation,
-and a raw prompt has none. A streamed completion is sent as one chunk per choice once it is done.
+A raw prompt (text or ids), no chat template, not recorded (docs/gateway.md, "Text completions").
 """
 
 from __future__ import annotations

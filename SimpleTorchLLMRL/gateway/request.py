@@ -6,10 +6,8 @@
     ... the pipeline (`server.Gateway.events`) ...
     Result(prompt_ids, choices, session)              # each route's render reads it
 
-A request is refused (`RequestError`, OpenAI's error shape) before anything is spent on it: a body larger
-than the limit is refused from its Content-Length before a byte of it is read; every field is checked for
-its JSON type (booleans only as JSON booleans, integers only as integers) and range; text that is not valid
-Unicode (a lone surrogate such as "\\ud800", which JSON can spell) is a 400 naming the field.
+Every field is checked for its JSON type and range before anything is spent on the request
+(docs/gateway.md, "Every request field").
 """
 
 from __future__ import annotations

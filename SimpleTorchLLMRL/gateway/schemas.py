@@ -1,16 +1,6 @@
 """What a JSON schema may hold before the gateway turns it into a grammar, checked in one pass of Python
-before anything is compiled:
-
-- every keyword is one the grammar enforces (xgrammar's JSON-schema converter) or an annotation; any other
-  (`uniqueItems`, `not`, `if` / `then` / `else`, `dependentRequired`, `allOf` of several schemas, a `oneOf`
-  whose branches may overlap, `multipleOf` on a non-integer, an unknown `format`, ...) is a 400 naming it,
-  never a constraint silently left out;
-- sizes are bounded (per request, over all its schemas): schema nodes, enum / const values and their text,
-  repetition counts in `pattern` regexes, length and item bounds; each bound is what keeps a compile
-  within a fraction of a second;
-- `$ref`s are local ("#", "#/..."), resolve, and every subschema has a finite instance: a `$ref` loop with
-  no base case (an alias cycle, a required property that contains itself) would give a grammar that never
-  ends, so it is a 400.
+before anything is compiled: keywords the grammar enforces (or annotations), bounded sizes per request, local
+`$ref`s that resolve, a finite instance for every subschema (docs/gateway.md, "Structured output").
 
     budget = Budget()
     check_schema(schema, "response_format", budget)     # raises RequestError (400) naming the field

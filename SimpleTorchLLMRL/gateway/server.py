@@ -12,12 +12,7 @@ One pipeline serves every route; a route only supplies the two ends (`routes.Rou
       -> session plan (merge / fork: `gateway.sessions`) -> encode (off the event loop)
       -> run (`gateway.batcher`; a stream's `streaming.Listener`) -> record -> render (Result -> wire)
 
-Routes: POST /v1/chat/completions (`chat`), POST /v1/completions (`completions`), POST /v1/responses and
-GET /v1/responses/{id} (`responses_route`), POST /inference/v1/generate (`tokens`: token ids in and out),
-GET /v1/models, GET /v1/models/{id}, GET /health and errors in OpenAI's shape (`routes`); with an admin key,
-GET /v1/sessions and POST /v1/sessions/{id}/finish for a trainer in another process (`routes.install_admin`).
-A session is named by the `X-Session-Id` header, else by the API key (`Authorization: Bearer ...`). A new
-route is a parse and a render function added to `routes.routes()`.
+The routes, and how a session is named: docs/gateway.md, "The API" and "Sessions".
 """
 
 

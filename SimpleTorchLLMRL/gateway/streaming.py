@@ -1,16 +1,8 @@
 """Streaming: a call's sampled ids as they arrive, shown as text deltas; the chat route's chunk stream.
 
-Only a request that streams runs this code: the pipeline (`server.Gateway.events`) takes a `Listener`
-for it and yields its deltas; a plain request has none.
-
-    listener = Listener(loop, rows)                  # one `RowText` per choice of the call
-    # worker thread (the decode loop, through sampling.DecodeWatch): listener.push([(choice, ids), ...])
-    async for delta in listener.deltas(jobs): ...    # TextDeltas until every job's future is set
-
-`RowText` turns one row's ids into the text that may be shown so far: it decodes incrementally (never a
-partial UTF-8 character), ends the row at an EOS id or a stop string (the text through the stop, as
-`sampling.cut_sample` cuts it), and holds back text that may still become a stop string or, with tools
-offered, a tool call (from its opening tag; tool calls go out as `tool_calls` deltas at the end).
+Only a request that streams runs this code: the pipeline (`server.Gateway.events`) takes a `Listener` for it
+(fed from the decode loop's thread) and yields its deltas. `RowText` decodes one row incrementally and holds
+back text that may still become a stop string or a tool call (docs/gateway.md, "Streaming and hang-ups").
 """
 
 from __future__ import annotations
