@@ -4,6 +4,7 @@ A raw prompt (text or ids), no chat template, not recorded (docs/gateway.md, "Te
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from dataclasses import dataclass
@@ -97,10 +98,7 @@ def parse(body: Any, ctx) -> GenRequest:
 def legacy_logprobs(tokenizer, msg, top: list | None) -> dict:
     """OpenAI's legacy `choice.logprobs`: tokens, token_logprobs, top_logprobs (token -> log-prob), text_offset."""
     tokens = [tokenizer.decode([t]) for t in msg.token_ids]
-    offsets, at = [], 0
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
     tops = [{tokenizer.decode([t]): v for t, v in row} for row in top] if top is not None else None
     return {"tokens": tokens, "token_logprobs": list(msg.logprobs), "top_logprobs": tops, "text_offset": offsets}
 

@@ -44,8 +44,7 @@ class ResponsesOptions:
     created: int
 
 
-def respell(e: RequestError) -> RequestError:
-    return as_responses_error(e)
+respell = as_responses_error
 
 
 def previous(store, body) -> tuple:

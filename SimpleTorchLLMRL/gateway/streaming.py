@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from SimpleTorchLLMRL.gateway.chat import choice_object, held_suffix, tool_openings
-from SimpleTorchLLMRL.gateway.request import Finished, GenRequest, Result, new_id
+from SimpleTorchLLMRL.gateway.request import Finished, GenRequest, Result, new_id, without_stop
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig, text_through_stop
 
 RESET = object()  # put on a listener's queue when its jobs are generated again (a retry): their ids start over
@@ -76,14 +76,8 @@ class RowText:
     def _show(self, stops: Sequence[str]) -> str:
         if self.openings is None:
             return ""
-        safe = self.text
-        if self.hide:  # a hidden stop string is whole only where it ended the row
-            at = min((i for i in (safe.find(h) for h in self.hide) if i >= 0), default=len(safe))
-            safe = safe[:at]
-        if self.openings:
-            at = min((i for i in (safe.find(o) for o in self.openings) if i >= 0), default=-1)
-            if at >= 0:
-                safe = safe[:at]
+        # up to a hidden stop string (whole only where it ended the row), then up to a tool call's opening
+        safe = without_stop(without_stop(self.text, self.hide), self.openings)
         if not self.done or self.openings:
             safe = safe[: len(safe) - held_suffix(safe, (*stops, *self.openings))]
         if self.openings:
