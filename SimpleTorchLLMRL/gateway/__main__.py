@@ -17,32 +17,22 @@ import signal
 import threading
 
 
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
-    return value
+def _checked(kind: type, name: str, ok, rule: str):
+    """An argparse type: `kind(text)`, refused unless `ok(value)` (`name`: what argparse calls it)."""
+    def check(text: str):
+        value = kind(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
+        return value
+
+    check.__name__ = name
+    return check
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
+_non_negative = _checked(float, "_non_negative", lambda v: v >= 0, "a number >= 0")
+_non_negative_int = _checked(int, "_non_negative_int", lambda v: v >= 0, "an integer >= 0")
+_positive = _checked(float, "_positive", lambda v: v > 0, "a number > 0")
+_positive_int = _checked(int, "_positive_int", lambda v: v >= 1, "an integer >= 1")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

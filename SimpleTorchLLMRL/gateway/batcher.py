@@ -1,22 +1,6 @@
-"""Requests that arrive together are generated together.
-
-One batch generates at a time, in one worker thread, while the event loop keeps accepting requests. The
-window adapts: requests that arrive while a batch generates queue, and the next batch takes all of them at
-once; a request that finds the batcher idle waits until no other request has arrived for `window` seconds
-and none is still being prepared (parsed, encoded: `expect`), at most `max_wait` seconds and `max_batch`
-requests in all. So simultaneous sessions share one batch. The batch is split by sampling options (one
-`ModelGenerate.generate` call per distinct options and n); each job keeps its own seed (rows draw from
-their own streams, so a seeded request samples the same alone or batched). A call that fails is retried
-job by job, so one bad request fails alone.
-
-A job is cancelled (`Job.cancel`: its client hung up) and its rows stop within a few decode steps; its
-result is dropped; the other rows of the batch sample exactly what they would have. A job with a
-`listener` (`gateway.streaming.Listener`: a stream) also receives its rows' ids as they are sampled.
-`batches` keeps the sizes of the last MAX_RECORDS batches (for tests and logs).
-
-Calls of one session named by X-Session-Id run in order, one at a time, under that name's lock (`NamedLocks`):
-a lock exists only while a call holds or waits for it, so the locks are bounded by the calls in flight, never
-by the names seen.
+"""Requests that arrive together are generated together, one batch at a time on a worker thread, split by
+sampling options, each job with its own seed; a failed call is retried job by job, and a cancelled job's rows
+stop within a few decode steps (docs/gateway.md, "Batching"). `NamedLocks`: one X-Session-Id's calls in order.
 """
 
 from __future__ import annotations
@@ -103,7 +87,8 @@ class Batcher:
         return job
 
     async def _gather(self) -> list[Job]:
-        """The next batch: the first request, then what is queued, waiting while it may grow (module docstring)."""
+        """The next batch: the first request, then what is queued, waiting while it may grow (docs/gateway.md,
+        "Batching")."""
         loop = asyncio.get_running_loop()
         batch = [await self._queue.get()]
         idle = self._queue.empty()  # nothing queued behind it: it did not wait for a batch to end

@@ -1,14 +1,5 @@
 """The routes: each generation route's two ends (`Route`, `routes()`), the routes that are not a generation
-(models, sessions), and every error in OpenAI's shape.
-
-    install(gateway, app)                        # GET /v1/models/{id}; 404 / 405 / 400 handlers
-    install_admin(gateway, app)                  # GET /v1/sessions, POST /v1/sessions/{id}/finish (admin key)
-    uvicorn.Config(app, http=http_protocol())    # uvicorn's own 400 (a malformed HTTP request) as JSON too
-
-Every answer that is not a success is `{"error": {"message", "type", "code", "param"}}` (OpenAI's
-shape): an unknown route (404, naming the method and path; FastAPI's own /openapi.json, /docs and /redoc
-are off, so they are 404s too), a wrong method (405, with `Allow`), FastAPI's request validation (400, not
-422), and the bytes uvicorn writes itself when a request is not valid HTTP (400).
+(models, sessions), and every error in OpenAI's shape, uvicorn's own 400 too (docs/gateway.md, "The API").
 """
 
 import json

@@ -12,12 +12,7 @@ One pipeline serves every route; a route only supplies the two ends (`routes.Rou
       -> session plan (merge / fork: `gateway.sessions`) -> encode (off the event loop)
       -> run (`gateway.batcher`; a stream's `streaming.Listener`) -> record -> render (Result -> wire)
 
-Routes: POST /v1/chat/completions (`chat`), POST /v1/completions (`completions`), POST /v1/responses and
-GET /v1/responses/{id} (`responses_route`), POST /inference/v1/generate (`tokens`: token ids in and out),
-GET /v1/models, GET /v1/models/{id}, GET /health and errors in OpenAI's shape (`routes`); with an admin key,
-GET /v1/sessions and POST /v1/sessions/{id}/finish for a trainer in another process (`routes.install_admin`).
-A session is named by the `X-Session-Id` header, else by the API key (`Authorization: Bearer ...`). A new
-route is a parse and a render function added to `routes.routes()`.
+The routes, and how a session is named: docs/gateway.md, "The API" and "Sessions".
 """
 
 
@@ -74,22 +69,16 @@ def session_name(headers) -> str:
 class Gateway:
     """An OpenAI-compatible server over `generator` that records each session's calls as rollouts.
 
-    generator: a `ModelGenerate`; its sampling options are the defaults a request may override
-    (temperature, top_p, max_tokens, stop; its stop strings and tool-call stops always apply), copied
-    once here: each request's settings go to its own generate call and never into the defaults.
-    model_name: the `model` clients ask for (others get 404). record_to: a .jsonl file that
-    receives every rollout once it is final (`RolloutWriter`). window / max_batch: requests that
-    arrive while a batch generates form the next batch; one that finds the gateway idle waits for
-    others until none has come for `window` seconds (at most `max_batch` per batch; `gateway.batcher`).
-    tool_parsers: how tool calls are read from sampled text (default: Hermes / Qwen `<tool_call>`
-    JSON, `tools.parsers.JsonToolCallParser`). max_body_bytes: larger request bodies get 413, refused
-    before they are read. session_ttl: seconds a session may stay idle before it is finished (its open
-    rollouts written to `record_to`, then forgotten); max_sessions: past this many open sessions the least
-    recently used one is finished the same way (None: no limit; `gateway.sessions`). compile_budget: seconds
-    a request's grammar (response_format, forced tool calls) may take to build and compile before the
-    request is a 400 naming the field (`gateway.structured`). admin_key: turns on the session routes for a
-    trainer in another process (GET /v1/sessions, POST /v1/sessions/{id}/finish), answered only to
-    `Authorization: Bearer <admin_key>` (None: they are not served). clock: the time source of the TTL.
+    generator: a `ModelGenerate`; its sampling options, copied once, are the defaults a request may override
+    (its stop strings and tool-call stops always apply). model_name: the `model` clients ask for (others get
+    404). record_to: a .jsonl file that receives every rollout once it is final (`RolloutWriter`). window /
+    max_batch: how requests form batches (`gateway.batcher`). tool_parsers: how tool calls are read from
+    sampled text (default: `<tool_call>` JSON, `JsonToolCallParser`). max_body_bytes: larger bodies get 413,
+    before they are read. session_ttl / max_sessions: the idle seconds, and the open sessions, past which a
+    session is finished: its open rollouts written to `record_to`, then forgotten (None: no limit).
+    compile_budget: seconds a request's grammar may take to build and compile (past it, a 400 naming the
+    field). admin_key: serves the session routes (GET /v1/sessions, POST /v1/sessions/{id}/finish) to
+    `Authorization: Bearer <admin_key>` only (None: not served). clock: the time source of the TTL.
     """
 
     def __init__(self, generator, *, model_name: str = "policy", record_to=None, window: float = 0.02,

@@ -1,42 +1,12 @@
 """Sessions: one agent episode per API key (or X-Session-Id), its calls recorded as `Rollout`s.
 
-After each call a session holds its *branch*: the prompt messages of that call and the n
-replies sampled for it (MODEL messages carrying their sampled ids and log-probs). The next
-call of the session either
-
-- **merges**: its messages are the branch's messages followed by one of the replies, as the
-  client was shown it (content and tool calls; arguments compared as parsed JSON, ids and
-  whitespace around the content ignored; so is the `name` a named agent replays it with, which
-  the MODEL message keeps as the agent), followed by new messages, with the same tools and
-  template options. The prompt is then that reply's conversation plus the new messages, so a
-  sampled turn is never re-rendered: the encoder places its ids as sampled. The other replies
-  become finished rollouts of their own.
-- or **forks**: anything else (an edited, dropped or summarized message, other tools). Every
-  reply of the branch becomes a finished rollout, and the new call starts a new branch whose
-  earlier assistant messages are context, not trained: they were sampled, if at all, under
-  another prompt.
-
-An assistant message the client wrote itself is always context (trainable=False).
-
-A call of token ids (the token route) merges or forks by the same rules on ids (`tokens.plan_ids`).
-
-Which session a call belongs to (`SessionStore.open`): a call with an `X-Session-Id` goes to
-that one named session, and runs the rules above (merge or fork). A call without one (named
-by its API key) is matched by conversation prefix among the open sessions of that key: it
-joins the one whose branch it extends (merges), whichever that is; a call that extends none
-starts a new session of the key and closes nothing. So concurrent episodes under one API key
-are one session each.
-
-A session idle (no call in flight) for longer than `ttl` seconds is *finished*: its open
-rollouts go to `on_finish` (the gateway's `record_to`) and it is dropped from memory. Past
-`max_sessions` open sessions, the least recently used ones are finished the same way.
-
-Links (`SessionStore.link` / `linked`): a key (a Responses API response id) names a value (that
-response's conversation) for as long as its session lives, so `previous_response_id` continues
-the session; the links of a finished session go with it, and a session keeps its last
-`MAX_LINKS` only.
-
-Calls of one X-Session-Id run in order under that name's lock (`batcher.NamedLocks`).
+After each call a session holds its *branch*: the call's prompt messages and its n sampled replies. The next
+call merges onto one reply (sent back as the client was shown it) or forks; token calls by the same rules on
+ids (`tokens.plan_ids`). A call named by X-Session-Id goes to that session; one named by its API key joins
+the idle session of that key whose branch it extends, else starts a new one (`SessionStore.open`). Sessions
+idle past `ttl`, or least recently used past `max_sessions`, are finished: open rollouts to `on_finish`.
+Links name a value (a response id's conversation) while their session lives, its last `MAX_LINKS` only.
+The rules and why: docs/gateway.md, "Sessions".
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""POST /inference/v1/generate (vLLM's token-in/token-out route: verifiers' renderer client, prime-rl) at the two
-ends of the pipeline, `parse` and `render`, and its session plan by id prefix (`plan_ids`).
-
-Every field is honoured, accepted without effect, or refused (400 naming it, `sampling_params.<key>` inside the
-sampling parameters). A call merges onto its session when its ids are the previous call's, then one of its
-replies' sampled ids, then any new ids; it forks otherwise. Each stretch of prompt ids is a context message
-(MESSAGE, `trainable=False`, carrying those `token_ids`), each reply a MODEL message: the rollout's ids,
-concatenated, are exactly the last prompt and its reply (docs/gateway.md, "Token sessions").
+"""POST /inference/v1/generate (vLLM's token-in/token-out route) at the two ends of the pipeline, `parse` and
+`render`, and its session plan by id prefix (`plan_ids`; docs/gateway.md, "Token sessions").
 """
 
 from __future__ import annotations
