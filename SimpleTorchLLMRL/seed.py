@@ -1,17 +1,12 @@
 """The seed's import paths: one table, one finder. They are part of the contract, so they stay, silently.
 
-The seed README taught paths the library has since renamed (module files are lower-case; the
-Router-R1 recipe lives in `recipes/`). Each still imports and gives the module it names now, the
-same object, never a copy (a `monkeypatch.setattr` through a seed path patches the real module):
-
     from SimpleTorchLLMRL.trainer.GRPO import GRPO          # SimpleTorchLLMRL.trainer.grpo
     from SimpleTorchLLMRL.env.QASolve import QASolverEnv    # SimpleTorchLLMRL.env.qa_solver
     import SimpleTorchLLMRL.router_r1                       # SimpleTorchLLMRL.recipes.router_r1
     from SimpleTorchLLMRL import RouterR1Trainer            # SEED_NAMES (the root's __getattr__ reads it)
 
-`FINDER` sits on `sys.meta_path` after the path finders (the root `__init__` calls `install()`), so
-a real module of a seed path's name always wins; it answers for `SEED_MODULES`' names only and
-imports nothing before it is asked. Nothing else in the library serves an old name.
+Each gives the module it names now, the same object. `FINDER` sits on `sys.meta_path` after the path
+finders (a real module of that name wins), answers for `SEED_MODULES` only, and imports nothing unasked.
 """
 
 from __future__ import annotations

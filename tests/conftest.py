@@ -56,7 +56,6 @@ def gpt2_model(plain_tokenizer):
     return tiny_model("gpt2", plain_tokenizer)
 
 
-
 @pytest.fixture(scope="module")
 def tok():
     """The ChatML tokenizer, one per module (tests may save or extend it)."""

@@ -1,11 +1,4 @@
-"""Do a rollout's sampled ids hold the text its rewards read?
-
-    check_ids_decode(rollouts, tokenizer)     # ValueError naming the first MODEL turn whose content is not
-                                              # text its token_ids decode to (encode_rollouts calls it)
-
-A reward reads a turn's content; the gradient reads its `token_ids`. Ids from another tokenizer, or of
-another text (content `\\boxed{5}`, ids of `\\boxed{4}`), would train what no reward judged.
-"""
+"""Do a rollout's sampled ids hold the text its rewards read? `check_ids_decode` (encode_rollouts calls it)."""
 
 from __future__ import annotations
 
@@ -39,12 +32,10 @@ def _in_vocabulary(tokenizer):
 def check_ids_decode(rollouts: list[Rollout], tokenizer) -> None:
     """ValueError naming the first MODEL turn whose content is not text its `token_ids` hold.
 
-    The reward reads a turn's text and the gradient its ids: ids from another tokenizer (or of another
-    text) would train what no reward judged. A generator's content is its ids decoded without special
-    tokens and cut after a stop string (the last token may run past it); a parser may keep part of it (a
-    reasoning model's final answer, gpt-oss's final channel). So the content must be the decoded text
-    or a part of it, compared by `_comparable`: the reward never reads text the model did not write. A turn
-    holding an id outside the tokenizer's vocabulary is left to the trainer's vocabulary check."""
+    The reward reads a turn's text and the gradient its ids: ids of another tokenizer (or text) would train
+    what no reward judged. The content must be the ids decoded without special tokens, or a part of it (a
+    stop string cuts it; a parser may keep a reasoning model's final answer), compared by `_comparable`.
+    A turn with an id outside the vocabulary is left to the trainer's vocabulary check."""
     known = _in_vocabulary(tokenizer)
     turns = [(r, i, m) for r, rollout in enumerate(rollouts) for i, m in enumerate(rollout)
              if m.type is MessageType.MODEL and m.token_ids and known(m.token_ids)]

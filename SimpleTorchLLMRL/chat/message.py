@@ -1,19 +1,14 @@
-"""Conversation objects: `MessageType`, `Message` and `Rollout`.
+"""Conversation objects: `MessageType`, `Message` and `Rollout` (messages plus a free-form `metadata` dict).
 
-A `Rollout` is an ordered list of `Message`s plus a free-form `metadata` dict
-(ground truth, group id, env state). Each message knows whether it is trained:
-by default only MODEL turns are, and `trainable=` overrides that per message
-(multi-agent: another agent's MODEL turn can be frozen, any turn can be trained).
-
-Reserved metadata keys read by the library:
-    "group_id"              GRPO group of this rollout (set by `collect_rollouts`)
-    "tools"                 JSON tool schemas passed to `apply_chat_template(tools=...)`
-    "chat_template_kwargs"  extra keyword arguments for the chat template
+Only MODEL turns are trained unless `trainable=` says otherwise. Metadata keys the library reads:
+"group_id" (the GRPO group, set by `collect_rollouts`), "tools" (JSON schemas for `apply_chat_template(tools=)`)
+and "chat_template_kwargs" (more keyword arguments for the chat template).
 """
 
 from __future__ import annotations
 
 import copy as _copy
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -69,22 +64,12 @@ def checked_logprobs(values) -> list[float]:
 class Message:
     """One turn of a conversation.
 
-    `token_ids` / `logprobs` are what a generator actually sampled for a MODEL
-    turn (the stop/EOS token included when it was sampled); the tokenizer uses
-    them verbatim and never re-tokenizes `content`. `temperature` is the
-    sampling temperature those log-probs are under. `tool_calls` are structured
-    calls of a MODEL turn (OpenAI style); `tool_call_id` names the call a TOOL
-    message answers (Mistral and OpenAI-style templates need it).
-    `policy_version` is the version of the weights that sampled the turn
-    (set by the generator; see `ModelGenerate.policy_version`). `adapter` names the
-    LoRA adapter that sampled it when the generator was asked for one (one adapter
-    per agent: `model/adapters.py`); `name` is the agent that speaks. `sampling` holds the settings,
-    beyond temperature, that made the distribution the turn was drawn from differ from
-    softmax(logits / temperature) (top_k, top_p, min_p, logit_bias, frequency_penalty, presence_penalty,
-    as `SamplingConfig.distribution_changes` builds them); None when nothing did. A turn that only
-    truncates (top_k / top_p / min_p) has `logprobs` under the truncated distribution, and the trainer
-    scores it so (`chat.truncation`); otherwise they stay those of softmax(logits / temperature), and a
-    turn with bias, penalties or a grammar is off-policy for them (docs/generation.md).
+    `token_ids` / `logprobs`: what a generator sampled for a MODEL turn (stop/EOS token included), used
+    verbatim (`content` is never re-tokenized); `temperature`: what those log-probs are under.
+    `tool_calls`: structured calls of a MODEL turn (OpenAI style); `tool_call_id`: the call a TOOL message
+    answers. `policy_version`: the weights that sampled it; `adapter`: the LoRA adapter that sampled it;
+    `name`: the agent that speaks. `sampling`: what besides temperature changed the distribution it was
+    drawn from (`SamplingConfig.distribution_changes`), None when nothing did (docs/generation.md).
     """
 
     content: str
@@ -240,12 +225,7 @@ class Rollout:
     @property
     def prompt_messages(self) -> list[Message]:
         """All messages before the first MODEL message (what GRPO groups on)."""
-        out = []
-        for m in self._messages:
-            if m.type is MessageType.MODEL:
-                break
-            out.append(m)
-        return out
+        return list(itertools.takewhile(lambda m: m.type is not MessageType.MODEL, self._messages))
 
     def last(self, type: MessageType | None = None) -> Message | None:
         """The last message, or the last of the given type; None when there is none."""

@@ -1,23 +1,13 @@
-"""Rollouts as data: dicts, JSONL and Parquet files, and a streaming writer.
-
-A rollout is stored as `Rollout.to_dict()`: every message field (type, name,
-content, trainable flag, sampled token ids and log-probs, sampling temperature,
-tool calls and tool-call id, finish reason, policy version, adapter, sampling changes) and the metadata.
-Log-probs are stored as float64, which holds the generator's float32 values
-exactly. Metadata must be JSON (str keys; str, numbers, bools, None, lists,
-dicts); anything else is an error naming the key, except the live `env_state`
-object that `collect_rollouts` leaves, which is not saved unless asked.
+"""Rollouts as data: JSONL and Parquet files, and a streaming writer (records: `Rollout.to_dict()`).
 
     save_rollouts("step_12.jsonl", rollouts)          # or .parquet (one row per rollout)
     rollouts = load_rollouts("step_12.jsonl")
     with RolloutWriter("run/rollouts.jsonl") as w:    # append each step's rollouts as training goes
         w.write(rollouts)
 
-A JSONL file is read line by line as bytes, each line decoded (UTF-8) on its own. A line
-torn by a writer stopped mid-line (killed, or cut by a full disk, in the middle of a
-multi-byte character too) loads without that line, with a warning: the last line without
-its newline, or a line cut short that a later `RolloutWriter` left behind when it started on
-a new line (`utils.jsonl`). Any other bad line is an error naming it.
+Metadata must be JSON (an error names the key), except the live `env_state`, not saved unless asked.
+A JSONL line torn by a writer stopped mid-line loads without that line, with a warning (`utils.jsonl`);
+any other bad line is an error naming it.
 """
 
 from __future__ import annotations
@@ -27,15 +17,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from SimpleTorchLLMRL.chat.message import (  # noqa: F401 (the record functions: re-exported)
-    FORMAT_VERSION,
-    SKIPPED_METADATA,
-    Rollout,
-    message_from_dict,
-    message_to_dict,
-    rollout_from_dict,
-    rollout_to_dict,
-)
+from SimpleTorchLLMRL.chat.message import SKIPPED_METADATA, Rollout, rollout_from_dict, rollout_to_dict
 from SimpleTorchLLMRL.utils.jsonl import ends_mid_line, jsonl_records
 
 # ---------------------------------------------------------------------- files
@@ -68,19 +50,15 @@ def load_rollouts(path) -> list[Rollout]:
     """Rollouts from a file written by `save_rollouts` or `RolloutWriter`."""
     path = Path(path)
     if _kind(path) == "parquet":
-        out = []
-        for n, record in enumerate(_read_parquet(path)):
-            try:
-                out.append(rollout_from_dict(record))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}: row {n}: {e}") from e
-        return out
+        unit, records = "row", enumerate(_read_parquet(path))
+    else:
+        unit, records = "line", jsonl_records(path.read_bytes(), str(path))
     out = []
-    for n, record in jsonl_records(path.read_bytes(), str(path)):
+    for n, record in records:
         try:
             out.append(rollout_from_dict(record))
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}: line {n}: {e}") from e
+            raise ValueError(f"{path}: {unit} {n}: {e}") from e
     return out
 
 

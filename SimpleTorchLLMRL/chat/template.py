@@ -1,23 +1,11 @@
 """A tokenizer's chat template, rendered and read for token-exact encoding.
 
-`ChatTemplate` renders conversations exactly as `apply_chat_template` does
-(transformers' renderer, the tokenizer's special tokens, the rollout's tools
-and template kwargs) and answers what the encoder asks of it:
-
-- `end_of_turn`: the added tokens that close an assistant turn, found in the
-  template's own rendering of one (not in the tokenizer's special-token list);
-- `spans`: where trainable messages sit in a rendered conversation: for an
-  assistant turn, everything the model produces for it (from the end of the
-  generation prompt through its end-of-turn); for other roles, the content;
-- `continuation`: the text that follows a sampled assistant turn: the rest of
-  that turn's closing the model did not sample, the template's rendering of the
-  next messages on their own, and the generation prompt;
-- `check_rendered`: that no TOOL message is dropped (Phi-3.5's template renders
-  only system, user and assistant turns), found by rendering each TOOL message
-  with a marker of its own for content, not by searching for its text.
-
-Spans are (message index, start, end) character offsets [start, end) into one
-rendered string. Every "cannot" raises a ValueError naming the cause and the fix.
+`ChatTemplate` renders conversations exactly as `apply_chat_template` does and answers what the encoder
+asks: `end_of_turn` (the added tokens closing an assistant turn, found in the template's own rendering),
+`spans` (where trainable messages sit: for an assistant turn, from the end of the generation prompt
+through its end-of-turn), `continuation` (the text after a sampled turn) and `check_rendered` (no TOOL
+message dropped, found with a marker per message). Spans are (message index, start, end) character
+offsets into one rendered string. Every "cannot" raises a ValueError naming the cause and the fix.
 """
 
 from __future__ import annotations
@@ -345,10 +333,9 @@ class ChatTemplate:
         The template's own rendering of just the new messages: a fixed conversation
         (a user turn, then `previous` with a sentinel for its content) rendered with and
         without `block`; the text after the sampled turn's end-of-turn token is theirs.
-        ended: the sampled ids end with a turn-ending token (then only what follows it is
-        added); otherwise the template's end-of-turn is added too. Returns the text and
-        the spans of the block's trainable messages (indices into `block`) in it. first: the rollout
-        index of block[0], for error messages.
+        ended: the sampled ids end with a turn-ending token (then only what follows it is added); otherwise
+        the template's end-of-turn is added too. Returns the text and the spans of the block's trainable
+        messages (indices into `block`) in it. first: the rollout index of block[0], for error messages.
         """
         if self.tools is not None:  # tool definitions belong to the first prompt, not to later turns
             return self.without_tools().continuation(previous, block, generation_prompt, ended, trainable, first)

@@ -2,36 +2,10 @@
 
 Legend: B batch, T tokens.
 
-Two ways a rollout becomes tokens, both token-exact on real tokenizers:
-
-- As sampled (any MODEL message carries the generator's `token_ids`): the ids
-  are exactly what the generator was conditioned on at each turn followed by
-  what it sampled, never re-rendered. The first prompt is the template's
-  rendering of the messages before the first sampled turn (with the generation
-  prompt), tokenized whole. After each sampled turn comes the template's
-  rendering of just the next messages (see `ChatTemplate.continuation`) and the
-  generation prompt. The loss mask is 1 on the sampled ids of trainable turns
-  (and on any message explicitly made trainable in between).
-- Canonical (hand-written rollouts, no `token_ids`): the template's rendering
-  of the whole conversation, tokenized whole, so the ids equal
-  `apply_chat_template(..., tokenize=True)`. A trainable assistant turn's mask
-  covers what the model produces for it: from the end of the generation prompt
-  through its end-of-turn token (content, tool-call text, end-of-turn); masks
-  come from the tokenizer's character offsets and a token that straddles a
-  trained span and non-whitespace template text raises, as does one that merges
-  template text with a message's leading or trailing whitespace (Qwen's header
-  "\n" and a reply starting "\n\n" become one "\n\n\n" token).
-
-Either way a TOOL message the template drops (its content replaced by a marker
-of its own is not in the rendering) raises, naming the message.
-
-Without a chat template (GPT-2 style) the messages' texts are concatenated;
-a MODEL turn without sampled ids ends with the EOS token (trained).
-
-The invariant the generator relies on: `encode_prompt(rollout)` followed by
-the ids it sampled is exactly a prefix of `encode_rollout(rollout + reply)`,
-and `encode_prompt` at turn k starts with `encode_prompt` at turn k-1 plus the
-ids sampled then. Where exactness cannot hold, a ValueError names the cause.
+Sampled turns are used as sampled (prompts as the generator saw them, then its ids); hand-written ones are
+the template's rendering tokenized whole, masked from character offsets (docs/masks_and_templates.md).
+The invariant the generator relies on: `encode_prompt(rollout)` followed by the ids it sampled is exactly
+a prefix of `encode_rollout(rollout + reply)`. Where exactness cannot hold, a ValueError names the cause.
 """
 
 from __future__ import annotations
@@ -44,7 +18,7 @@ import numpy as np
 import torch
 
 from SimpleTorchLLMRL.chat.ids_text import check_ids_decode
-from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+from SimpleTorchLLMRL.chat.message import MessageType, Rollout
 from SimpleTorchLLMRL.chat.template import ChatTemplate, chat_template_for
 from SimpleTorchLLMRL.chat.truncation import Truncation, batch_truncation
 
@@ -55,10 +29,9 @@ NAN = float("nan")
 class EncodedRollout:
     """Token-level view of one rollout. All lists have the same length.
 
-    sampler_logprobs[t] is the sampled log-prob of input_ids[t] (NaN where the
-    token was not sampled by a generator); None when no message carries any.
-    message_index[t] is the index of the message whose sampled or trained
-    token input_ids[t] is, -1 for template text and untrained messages.
+    sampler_logprobs[t] is the sampled log-prob of input_ids[t] (NaN where the token was not sampled by a
+    generator); None when no message carries any. message_index[t] is the index of the message whose sampled
+    or trained token input_ids[t] is, -1 for template text and untrained messages.
     """
 
     input_ids: list[int]
@@ -148,18 +121,14 @@ class _Ids:
     logprobs: list[float] | None = None
 
 
-def _check_sampled(msg: Message, index: int) -> None:
-    if msg.token_ids is not None and msg.type is not MessageType.MODEL:
-        raise ValueError(f"message {index} is a {msg.type.name} message with token_ids; only MODEL turns are sampled")
-
-
 def _template(rollout: Rollout, tokenizer) -> ChatTemplate:
     return chat_template_for(tokenizer, rollout.metadata.get("tools"), rollout.metadata.get("chat_template_kwargs"))
 
 
 def _plan(rollout: Rollout, tokenizer, for_prompt: bool) -> list:
     for i, m in enumerate(rollout):
-        _check_sampled(m, i)
+        if m.token_ids is not None and m.type is not MessageType.MODEL:
+            raise ValueError(f"message {i} is a {m.type.name} message with token_ids; only MODEL turns are sampled")
     if not has_chat_template(tokenizer):
         return _plain_plan(rollout, tokenizer)
     ct = _template(rollout, tokenizer)
@@ -371,12 +340,8 @@ def encode_rollout(rollout: Rollout, tokenizer, max_length: int | None = None,
                    truncate: bool = False, *, check_ids: bool = True) -> EncodedRollout:
     """Token ids, loss mask (1 = trained), sampled log-probs and message index of one rollout.
 
-    Over `max_length` tokens raises ValueError unless `truncate=True` (then
-    the tail is cut). A hand-written rollout's ids equal
-    `apply_chat_template(rollout.to_chat(), tokenize=True)`; a sampled episode's
-    ids are its prompts and sampled ids as the generator saw them (module docstring).
-    A MODEL turn whose token_ids do not decode to its content is a ValueError
-    (`check_ids_decode`) unless `check_ids=False`.
+    Over `max_length` tokens: ValueError unless `truncate=True` (the tail is cut). A MODEL turn whose
+    token_ids do not decode to its content is a ValueError (`check_ids_decode`) unless `check_ids=False`.
     """
     return encode_rollouts([rollout], tokenizer, max_length, truncate, check_ids=check_ids)[0]
 
@@ -384,10 +349,9 @@ def encode_rollout(rollout: Rollout, tokenizer, max_length: int | None = None,
 def encode_prompt(rollout: Rollout, tokenizer) -> list[int]:
     """The ids a generator conditions on for the next MODEL turn.
 
-    With a template: the rollout as sampled so far plus the template's rendering
-    of the messages since the last sampled turn and the generation prompt (for a
-    rollout without sampled turns, `apply_chat_template(..., add_generation_prompt=True)`).
-    Plain concatenation without a template.
+    With a template: the rollout as sampled so far plus the template's rendering of the messages since the
+    last sampled turn and the generation prompt (for a rollout without sampled turns,
+    `apply_chat_template(..., add_generation_prompt=True)`). Plain concatenation without a template.
     """
     return _encode([rollout], tokenizer, for_prompt=True)[0].input_ids
 

@@ -2,12 +2,10 @@
 
 Legend: B rollouts, T tokens, N scored tokens.
 
-A MODEL turn whose `Message.sampling` records top_k, top_p or min_p (and no logit_bias, penalty or
-grammar, which the trainer cannot replay) was drawn from softmax(logits / T) cut to a kept set and
-renormalized. Its recorded log-probs are under that truncated distribution, and the trainer scores
-its tokens under the same one, so on-policy ratios are exactly 1 (trl#6789; docs/generation.md).
-`truncation_settings` is that one rule; the sampler (`SamplingConfig.records_truncated`) and the
-trainer (`batch_truncation`) both ask it. The math of the kept set is in `model/scoring/truncation.py`.
+A turn whose `Message.sampling` records top_k, top_p or min_p (and nothing the trainer cannot replay) has
+log-probs under that truncated distribution, and the trainer scores it under the same one (docs/generation.md).
+`truncation_settings` is that one rule for sampler and trainer; the kept set's math is in
+`model/scoring/truncation.py`.
 """
 
 from __future__ import annotations

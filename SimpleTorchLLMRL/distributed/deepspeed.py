@@ -2,28 +2,18 @@
 
     cfg = ZeroConfig(stage=2, micro_batch_size=4, bf16=True)
     engine, optimizer = wrap_deepspeed(model, torch.optim.AdamW(params, lr=1e-6), cfg)
-    grpo = GRPO(engine.module, tokenizer)
-    loss = grpo.calculate_loss(my_rollouts, my_rewards, normalizer=data_parallel_normalizer(n))
+    loss = GRPO(engine.module, tokenizer).calculate_loss(rollouts, rewards, normalizer=data_parallel_normalizer(n))
     engine.backward(loss); engine.step()          # DeepSpeed owns backward / step / zero_grad
     sd = deepspeed_full_state_dict(engine)        # rank 0: full CPU tensors (ZeRO-3 gathers)
 
-Launch with `deepspeed train.py` or `torchrun`; DeepSpeed averages gradients
-over ranks like FSDP2, so the normalizer advice of `distributed.launch` holds.
-
-ZeRO-2 shards optimizer state and gradients; the parameters stay whole, so the
-chunked log-probs (which apply the output head outside the model's forward)
-work unchanged. ZeRO-3 also partitions parameters and releases each module's
-weights when its forward returns, including the output head that
-`model.scoring.logprobs.token_logprobs` applies afterwards: use ZeRO-2 or FSDP2 (whose
-root group stays gathered) for the GRPO / PPO losses, and ZeRO-3 only with a
-loss that takes the model's own logits.
-
-Nothing here imports deepspeed at module import time.
+ZeRO-3 releases the output head after the forward, which the chunked log-probs apply afterwards: use
+ZeRO-2 or FSDP2 for the GRPO / PPO losses (docs/scale.md). deepspeed is imported only when used.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -109,9 +99,6 @@ class ZeroConfig:
                 cfg[key] = value
         return cfg
 
-    def asdict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def wrap_deepspeed(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                    config: ZeroConfig | dict | None = None):
@@ -139,11 +126,9 @@ def deepspeed_full_state_dict(engine, *, rank0_only: bool = True) -> dict[str, t
     module = engine.module
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
-    if stage == 3:
-        with ds.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            sd = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} \
-                if rank == 0 or not rank0_only else {}
-        return sd
-    if rank0_only and rank != 0:
-        return {}
-    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    gathered = (ds.zero.GatheredParameters(list(module.parameters()), modifier_rank=None) if stage == 3
+                else contextlib.nullcontext())  # a collective: every rank enters it
+    with gathered:
+        if rank0_only and rank != 0:
+            return {}
+        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}

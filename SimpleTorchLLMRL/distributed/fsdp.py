@@ -1,19 +1,11 @@
-"""FSDP2 (`torch.distributed.fsdp.fully_shard`) for transformers and peft models.
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) for transformers and peft models (docs/scale.md).
 
-    info = init_distributed()                        # under torchrun
-    model = wrap_fsdp2(model)                        # each decoder block, then the root
+    model = wrap_fsdp2(model)                        # under torchrun: each decoder block, then the root
     optimizer = torch.optim.AdamW(sharded_parameters(model))   # the DTensor shards
-    loss.backward(); optimizer.step()                # gradients are averaged over ranks
     sd = full_state_dict(model)                      # rank 0: full CPU tensors, others: {}
 
-Gradients are the mean over ranks, so a rank's loss must be its share of the
-global objective times world_size (e.g. sum of its token terms / global token
-count * world_size); then one step equals one process on the global batch.
-Every rank must run the same number of forward passes (sharded parameters are
-all-gathered collectively inside forward). The root group (embeddings, final
-norm, head) stays gathered after a forward until the next backward, and while
-it is, `model.parameters()` yields full tensors rather than shards: build the
-optimizer right after wrapping, or from `sharded_parameters(model)`.
+Gradients are the mean over ranks (pass `data_parallel_normalizer`). The root group (embeddings, final norm,
+head) stays gathered after a forward until the next backward, because the log-probs apply the head outside it.
 """
 
 from __future__ import annotations
@@ -65,29 +57,19 @@ def mixed_precision_policy(mixed_precision):
     )
 
 
-def _check_not_quantized(model: nn.Module) -> None:
-    if any(type(m).__name__ in ("Linear4bit", "Linear8bitLt") for m in model.modules()):
-        raise ValueError(
-            "wrap_fsdp2 does not shard bitsandbytes 4/8-bit weights; train QLoRA on one device per process "
-            "(data parallel), or use LoRA on a bf16 base with FSDP2"
-        )
-
-
 def wrap_fsdp2(model: nn.Module, mesh=None, mixed_precision=None, *, reshard_after_forward: bool = True,
                cpu_offload: bool = False, blocks: Iterable[nn.Module] | None = None) -> nn.Module:
-    """Shard `model` in place with FSDP2: each transformer block, then the root; returns `model`.
+    """Shard `model` (plain or peft) in place with FSDP2: each transformer block, then the root; returns it.
 
-    Works for plain transformers models and peft models (frozen base and
-    trainable adapters may share a block). `reshard_after_forward` applies to
-    the blocks; the root group (embeddings, final norm, head) is not resharded
-    after forward, because log-prob code applies the head outside it.
-    `mesh`: a 1-D DeviceMesh (None = all ranks on the default device). The
-    model must be on the device the process computes on (CPU with gloo, its
-    CUDA device with nccl). Build the optimizer from `sharded_parameters(model)`.
+    `reshard_after_forward` applies to the blocks; the root group stays gathered (module docstring).
+    `mesh`: a 1-D DeviceMesh (None: all ranks). The model must be on the process's device (CPU with gloo,
+    its CUDA device with nccl). Build the optimizer from `sharded_parameters(model)`.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    _check_not_quantized(model)
+    if any(type(m).__name__ in ("Linear4bit", "Linear8bitLt") for m in model.modules()):
+        raise ValueError("wrap_fsdp2 does not shard bitsandbytes 4/8-bit weights; train QLoRA on one device per "
+                         "process (data parallel), or use LoRA on a bf16 base with FSDP2")
     if not torch.distributed.is_initialized():
         raise RuntimeError("wrap_fsdp2 needs an initialized process group: call init_distributed() under torchrun")
     kwargs = dict(mesh=mesh)
@@ -106,13 +88,9 @@ def wrap_fsdp2(model: nn.Module, mesh=None, mixed_precision=None, *, reshard_aft
 
 
 def allocate_gather_buffers(model: nn.Module, input_ids: torch.Tensor | None = None) -> None:
-    """One no-grad forward so FSDP2 allocates its all-gather buffers as ordinary tensors.
-
-    FSDP2 creates those buffers on first use and reuses them. If the first use
-    is under `torch.inference_mode()` (as in HF-style generation) they become
-    inference tensors, and every later training forward fails with "Inplace
-    update to inference tensor outside InferenceMode". Call this once after
-    `wrap_fsdp2`, on every rank (it is collective), before generating.
+    """One no-grad forward so FSDP2 allocates its all-gather buffers as ordinary tensors: made first under
+    `torch.inference_mode()` (generation) they would fail every later training forward ("Inplace update to
+    inference tensor outside InferenceMode"). Call it once after `wrap_fsdp2`, on every rank, before generating.
     """
     if input_ids is None:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -150,12 +128,10 @@ def is_fsdp2(model: nn.Module) -> bool:
 
 
 def full_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
-    """The unsharded state dict with the model's own names (peft prefixes kept).
+    """The unsharded state dict with the model's own names (peft prefixes kept); a collective.
 
-    A collective: every rank must call it. With cpu_offload=True (default) only
-    rank 0 receives the tensors, on CPU; the other ranks get {}. With
-    cpu_offload=False every rank gets full tensors on its device. A model that
-    is not sharded returns its plain state_dict (detached).
+    cpu_offload=True: rank 0 gets CPU tensors, the others {}; False: every rank gets full tensors on its
+    device. A model that is not sharded returns its plain state_dict (detached).
     """
     if not is_fsdp2(model):
         sd = {k: v.detach() for k, v in model.state_dict().items()}

@@ -1,13 +1,8 @@
-"""Process-group setup from the environment `torchrun` exports.
+"""Process-group setup from the environment `torchrun` exports (world size 1 without it, no group created).
 
-    torchrun --nproc_per_node=2 train.py            # one machine
     info = init_distributed()                       # gloo on CPU, nccl on CUDA
     my_rows = shard_indices(len(batch), info.rank, info.world_size)
-    ...
     cleanup()
-
-Without torchrun (no RANK / WORLD_SIZE in the environment) everything works
-as a single process of world size 1 and no process group is created.
 """
 
 from __future__ import annotations
@@ -52,9 +47,8 @@ def launched_by_torchrun() -> bool:
 
 def default_backend(device: str | torch.device | None = None) -> str:
     """nccl when the process computes on CUDA, gloo otherwise."""
-    if device is None:
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+    cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    return "nccl" if cuda else "gloo"
 
 
 def init_distributed(backend: str | None = None, device: str | None = None,

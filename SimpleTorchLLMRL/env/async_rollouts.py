@@ -10,16 +10,8 @@
         producer.publish(model.state_dict(), version=step)  # applied between two producer batches
     producer.stop()
 
-The producer samples with its own copy of the weights (HF: a copy of the model; vLLM: the
-engine); `publish` hands it new weights, and a batch is sampled by one version, which every
-sampled message records (`Message.policy_version`). The schedule is fixed: the batch for step s
-(trained at version s - 1) is sampled by exactly version max(0, s - 1 - max_staleness), so the
-producer runs `max_staleness` steps ahead and a run does not depend on thread timing. That makes
-an async run resumable exactly: `in_flight(version)` gives the published weights a checkpoint at
-`version` must keep (the versions its next batches are sampled by), and `history=` hands them to
-the producer of the resumed run. A batch that is still too old when taken (e.g. a producer fed
-from elsewhere) is dropped, or kept with `stale="keep"` for the trainer's truncated importance
-sampling to correct (`GRPO(..., off_policy=OffPolicy.tis(2.0))`).
+Step s's batch is sampled by exactly version max(0, s - 1 - max_staleness) (`sampling_version`): no thread
+timing, so a run resumes exactly (`in_flight` / `history=`).
 """
 
 from __future__ import annotations

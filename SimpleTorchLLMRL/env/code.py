@@ -1,36 +1,13 @@
 """`CodeEnv`: the model writes Python, the sandbox runs it, and the verdict is taken outside.
 
     env = CodeEnv(max_turns=3)
-    rows = [...]                                              # HumanEval / MBPP / APPS / TACO / LiveCodeBench rows
     rollouts = collect_rollouts(gen, env, [CodeTests.from_answer(r).question for r in rows], rows)
     scores = env.score(rollouts)                              # the sandbox runs in parallel (workers=...)
     scores.rewards, scores.metrics, scores.verdicts           # (B,) tensor, counts, one Verdict per rollout
 
-Each MODEL turn's ```python blocks run in the sandbox (each block in a fresh process)
-and their output comes back as TOOL messages; the episode ends after a turn without a
-code block, or after `max_turns` MODEL turns. The reward tests the last code block the
-model wrote against the row's tests, read by the data set's format (code_formats.py:
-HumanEval, MBPP, APPS / TACO, LiveCodeBench, assert lines, stdin/stdout cases; any
-other shape is a ValueError at `setup`, never a reward).
-
-No verdict is taken inside the sandbox. There the program only computes values: the
-calls the tests make of the solution, with their results sent back as typed data
-(code_codec.py), or, for stdin/stdout cases, what the program printed for each input.
-The comparisons (`==`, tolerances, `in`, `is True`, HumanEval's `check` asserts, the
-data set's output rule) run here, on that data (code_replay.py, code_tests.py). The
-expected values never enter the sandbox, so nothing the solution patches, reads, forges
-or prints there can make a wrong answer right, and a result that is not plain data (an
-object equal to everything) scores 0.
-
-Tests whose calls depend on the solution's own results cannot be split that way: they
-pay nothing (`unsplit="zero"`, counted in the metrics, with one warning per env) unless
-`unsplit="inside"` runs them after the solution in its namespace, where they pay only
-when at least one assert ran and the run reached its end (a solution written against
-the harness can fake that: an explicit opt-in).
-
-`reward` (one rollout) and `score` (a batch) never raise on anything the program writes,
-prints, forges or exits with: such a run scores 0 and its `Verdict.reason` says why.
-`reward="fraction"` pays the fraction of tests passed instead of all or nothing.
+The last ```python block is tested against the row's tests (code_formats.py). The sandbox only computes
+values, sent back as typed data (code_codec.py); every comparison runs here (code_replay.py, code_tests.py)
+and expected values never enter the sandbox. A run that breaks scores 0 with its reason (docs/rewards.md).
 """
 
 from __future__ import annotations

@@ -3,21 +3,9 @@
     tokens = encode([1, (2.5, "x")])      # ['l', 1 ... ] -> one flat JSON array, never nested
     decode(tokens) == [1, (2.5, "x")]     # True
 
-A value travels in prefix order: a tag, then its payload (a count, then the items, for
-containers). The list is flat, so JSON never nests and neither side recurses: both walk
-it with an explicit stack, bounded by `MAX_DEPTH` and by the channel's size. What
-decodes is built from fresh built-in objects only (no class of the solution's, no
-method it wrote), so comparing it runs Python's own `==`.
-
-Kept as Python keeps them: None, bool, int, float (inf and nan too, bit-exact), complex,
-str, bytes, list, tuple, dict, set, frozenset, Counter, OrderedDict, defaultdict (as a
-dict), namedtuple (a namedtuple of the same fields), Fraction, Decimal, numpy scalars
-(as the Python scalar they hold) and numpy arrays of numbers or bools. Anything else
-raises `CodecError`, and a test that compares it scores 0.
-
-This file is also sent into the sandbox as the source of the encoder and runs in every
-run: it imports nothing at the top (a module the solution returned a value of is already
-in `sys.modules`; numpy only ever so), and the decoder imports what a tag needs.
+Both sides walk the flat list with an explicit stack, bounded by `MAX_DEPTH`; what decodes is fresh built-in
+objects only (scalars, containers, namedtuples, Fraction, Decimal, numpy numbers), else `CodecError`. This
+file's source also runs inside the sandbox: it imports nothing at the top.
 """
 
 import sys

@@ -9,10 +9,8 @@
     CodeTests.from_stdio(cases)        # [{"stdin": ..., "stdout": ...}, ...]
     CodeTests.from_answer(answer)      # any of the above, told apart by its shape (CodeEnv's answers)
 
-A row is a dict as a data set file gives it (JSON lines, parquet through pandas or
-`datasets`): list columns may arrive as numpy arrays, missing cells as NaN. Anything
-that is none of these shapes is a ValueError naming the accepted ones: a code reward
-never guesses what a test means.
+Rows are dicts as data set files give them (numpy arrays for lists, NaN for missing cells). Any other
+shape is a ValueError naming the accepted ones: a code reward never guesses what a test means.
 """
 
 from __future__ import annotations

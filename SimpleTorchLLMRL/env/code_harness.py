@@ -1,24 +1,12 @@
 """The program CodeEnv runs in the sandbox: it computes values, and never decides a verdict.
 
-`harness_program(job)` (code.py) is this file's source after code_codec.py's, then a call
-of `_stlr_main` with the job as a Python literal (no import parses it). Inside the sandbox it runs the data set's prelude and
-the solution, then, by the job's mode:
-
-- "calls": each call the tests make of the solution (`f(2, 3)`, `Solution().two_sum(...)`,
-  `candidate(...)` in HumanEval's `check`), with the arguments decoded from typed data;
-  each result goes back as typed data ("ok"), as "opaque" (kept here for later calls
-  on it, e.g. a method of an object the solution built) or as the error it raised.
-- "stdio": the solution as a program, once per case, in a forked child whose fd 0 is the
-  case's input (`input()`, `sys.stdin.buffer`, `open(0)` all read it) and fd 1 a fresh
-  file; what it wrote and its exit status go back.
-- "inside" (an explicit opt-in for tests that do not split): the tests after the solution,
-  in its namespace, counting the asserts that ran; "end" once they all ran.
-
-fd 3 holds a per-run nonce, fd 4 is the report: the nonce on the first line, then one flat
-JSON array per line. The program can forge any of it; it gains nothing by that, since the
-expected values never enter the sandbox and the report is only data to the caller.
-Standard library only, and only modules the interpreter has loaded at start (plus `time`):
-this runs under the sandbox's interpreter, in `python -I`, in every run.
+`harness_program(job)` (code.py) is code_codec.py's source, this file's, then `_stlr_main(job literal)`.
+It runs the data set's prelude and the solution, then by the job's mode: "calls" (each call the tests
+make of the solution, its result sent back as typed data, "opaque" or the error it raised), "stdio" (the
+solution once per case in a forked child, fd 0 the input, fd 1 a fresh file) or "inside" (the tests in
+the solution's namespace, an opt-in). fd 3 holds a per-run nonce, fd 4 is the report: the nonce, then
+one flat JSON array per line; forging it gains nothing. Standard library only, loaded modules only
+(plus `time`): it runs under `python -I` in every run.
 """
 
 import io

@@ -2,24 +2,12 @@
 
     program = TestProgram(tests="assert add(2, 3) == 5", remote=("add",))
     recording = record(program)             # once: the calls the tests make, and how many asserts
-    recording.calls                         # (RemoteCall(base=('g', 'add'), args=(('v', ['i', '0x2']), ...)),)
     ... the sandbox computes each call's result as typed data (code_harness.py) ...
     outcome = replay(program, recording, results)   # the tests again, here, on those results
     outcome.passed                          # one bool per assert that ran; outcome.reason when it could not
 
-The tests are the data set's code: they run in this process, as trusted as the data set
-itself. The solution's code never does. Every name the solution provides is a *remote*
-here: calling it records a call (first pass) or returns the result the sandbox computed
-for that call (second pass), decoded into fresh built-in objects, so `==`, `abs(a - b) <
-tol`, `in`, `is True`, `sorted(...)` and the rest run as Python runs them, on data.
-
-The first pass has no results: a call returns a placeholder that lets the tests go on
-(comparisons hold, arithmetic gives more placeholders, iteration is empty). Each
-`assert` runs in a guard that counts it and, in the second pass, records whether it
-held. The tests get a private, seeded `random`, so both passes make the same calls; the
-second pass checks that they do. Tests whose calls depend on the solution's results
-(an argument computed from an earlier result) cannot be split: `replay` says so in
-`reason`, and CodeEnv pays nothing for them unless told to run them inside.
+Every name the solution provides is a *remote*: calling it records a call (first pass, placeholders) or
+returns the sandbox's decoded result (second pass). Tests whose calls depend on results cannot be split.
 """
 
 from __future__ import annotations

@@ -5,15 +5,9 @@
     job = tests.job(solution)                   # what the sandbox runs: never an expected value
     judged = tests.judge(results)               # outside: one bool per test, and why not, when not
 
-- `AssertTests`: test code (HumanEval's `check`, MBPP's asserts, assert lines). The calls it makes
-  of the solution run in the sandbox; the code itself runs here on their results (code_replay.py).
-- `CallTests`: data cases, a call and its expected value (APPS / TACO with `fn_name`,
-  LiveCodeBench "functional"), compared here by the data set's rule.
-- `StdioTests`: stdin / expected stdout cases, compared here token by token (whitespace-insensitive,
-  as competitive-programming judges do).
-
-`results` maps a call's or case's index to what the sandbox reported for it:
-("ok", value), ("opaque", why), ("error", why), ("out", text, exit code), ("timeout",).
+`AssertTests` (test code, replayed here on the calls' results: code_replay.py), `CallTests` (a call and
+its expected value, compared by the data set's rule) and `StdioTests` (stdout compared token by token).
+`results`: index -> ("ok", value), ("opaque", why), ("error", why), ("out", text, exit code), ("timeout",).
 """
 
 from __future__ import annotations

@@ -7,19 +7,8 @@ Legend: N games (one per seed), P players, M moves.
     moves = games[0]                                   # player 0's moves, each a Rollout
     loss = grpo.calculate_loss(moves, episode_rewards(moves))
 
-A `Game` says whose turn it is and what that player sees (`turn() -> (player, observation)`), takes
-the move's text (`step(text) -> done`), and when it is over pays each player (`rewards()`). A move's
-rollout is the player's observation then the sampled MODEL message, so a long game never has to fit
-the context as one transcript, and each player is prompted only with what it can see.
-
-Metadata of each move's rollout:
-    "game", "seed"   the index of the game in `seeds`, and its seed
-    "player", "move" who moved, and that player's move number in the game (0, 1, ...)
-    "group_id"       "SEED:PLAYER": a player's moves in games of one seed share a GRPO group
-    "reward"         the player's outcome (`rewards()[player]`, a number), or its move's own entry when
-                     the game gives a list (one reward per move of that player)
-    "done_reason"    "game" (it ended), "max_moves", or "game_error" (a call raised: "game_error" says
-                     which; the game's moves carry no reward, never a made-up one)
+A move's metadata: "game", "seed", "player", "move", "group_id" ("SEED:PLAYER"), "reward", "done_reason"
+("game", "max_moves", or "game_error": no move of that game is paid).
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
-"""Multi-agent rollouts: several named agents speak; only chosen agents' turns are trained.
-
-An agent's turn is a MODEL message with `name=` set. Two ways to train on them:
-
-1. Shared transcript (one policy plays every role and sees every turn as its own
-   kind of turn): keep one `Rollout` and call `set_trainable_agents(rollout, {"A"})`;
-   A's MODEL turns are trained, the other agents' MODEL turns become context
-   (`trainable=False`). `encode_rollout` then puts only A's tokens in the loss mask.
-
-2. Per-agent view (each agent is prompted as in a chat: its own turns are
-   `assistant`, everyone else speaks as `user`): `view_for_agent(rollout, "A")`
-   renders other agents' turns as user messages "[B]: ..." and keeps A's turns
-   (with their sampled `token_ids`/`logprobs`) as trainable MODEL turns. Generate
-   each turn from the speaker's view (`take_turn`) and train on the same view, so
-   the context a turn was sampled under is exactly the context it is trained under.
-
-Either way, each agent can have its own policy: one LoRA adapter per agent on one base
-model (`model/adapters.py`), a batch of turns sampled with `take_turns(rollouts, agent,
-partial(generator.responses, adapter=agent))`, and each agent's loss computed inside
-`use_adapter(model, agent)` (docs/multi_policy.md).
+"""Multi-agent rollouts: several named agents speak (MODEL messages with `name=`); chosen agents train.
 
     debate = Rollout([Message("Is 91 prime?", MessageType.MESSAGE)])
     for speaker in ["A", "B", "A"]:
         take_turn(debate, speaker, respond=generator.rollout_generate_response)
     batch_a = rollouts_to_batch([view_for_agent(debate, "A")], tokenizer)   # trains A only
+
+`set_trainable_agents` trains chosen agents in the shared transcript; `view_for_agent` renders the others'
+turns as user messages "[B]: ..." (docs/multi_policy.md).
 """
 
 from __future__ import annotations
@@ -71,9 +55,8 @@ def set_trainable_agents(rollout: Rollout, agents: str | Iterable[str], *, stric
                          inplace: bool = True) -> Rollout:
     """Mark each MODEL turn trainable iff its `name` is in `agents`; other messages are untouched.
 
-    strict: a name in `agents` that never speaks, or a MODEL turn without a name,
-    raises ValueError (a typo would otherwise silently train nothing). Returns the
-    rollout (a copy when `inplace=False`).
+    strict: a name in `agents` that never speaks, or a MODEL turn without a name, raises ValueError (a typo
+    would otherwise silently train nothing). Returns the rollout (a copy when `inplace=False`).
     """
     chosen = _agent_set(agents)
     if strict:
@@ -148,9 +131,8 @@ def take_turns(rollouts: Sequence[Rollout], agent: str, respond: Callable[[list[
     """`take_turn` for a batch: one `respond(prompts)` call gives `agent`'s next turn in every rollout.
 
     `respond` maps a list of rollouts to one Message each, e.g.
-    `functools.partial(generator.responses, adapter=agent)` (each agent sampled with its own
-    LoRA adapter). The prompts are `view_for_agent(r, agent)` (view=True) or the shared
-    transcripts themselves (view=False). Returns the appended messages.
+    `lambda rs: [g[0] for g in generator.generate(rs, adapter=agent)]`. The prompts are
+    `view_for_agent(r, agent)` (view=True) or the shared transcripts (view=False). Returns the appended messages.
     """
     _check_name(agent)
     rollouts = list(rollouts)

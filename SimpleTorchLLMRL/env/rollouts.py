@@ -2,21 +2,11 @@
 
 Legend: Q questions, G group size, R = Q * G rollouts.
 
-Each turn, every unfinished rollout generates together in one batch; then the
-env reacts to each (`Env.step`) concurrently in a thread pool, so one slow tool
-call does not serialize the batch. Finished rollouts drop out of the batch.
-
-Metadata written on each rollout:
-    "group_id"     index of its question (the G members of a group share it)
-    "question", "answer"   the dataset row
-    "env_state"    the Env's per-episode state (from `setup`, passed to every `step`)
-    "tools"        a copy of `env.tools` (the chat template shows them to the model)
-    "turns"        number of MODEL turns generated
-    "done_reason"  "env" (the env said done), "env_error" (step raised: the error is in
-                   metadata["env_error"] and a TOOL message says so), "max_turns", or
-                   "context" (the next prompt would not fit the model's context)
-    "reward"       `Env.reward(rollout, state)` when it gave a number (`episode_rewards` reads them)
-    "reward_error" what went wrong when `Env.reward` raised (no "reward" then; never a made-up 0)
+Each turn every unfinished rollout generates in one batch, then the env steps each in a thread pool.
+Metadata on each rollout: "group_id" (its question's index), "question", "answer", "env_state" (the Env's
+per-episode state), "tools" (a copy of `env.tools`), "turns", "done_reason" ("env", "env_error" with
+metadata["env_error"], "max_turns", or "context": the next prompt would not fit), and "reward" (from
+`Env.reward`) or "reward_error" (when it raised).
 """
 
 from __future__ import annotations
@@ -32,10 +22,6 @@ from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.env.base import Env
 
 DEFAULT_MAX_TURNS = 10
-
-
-def _error_message(what: str, exc: BaseException) -> Message:
-    return Message(f"Error: {what} failed with {type(exc).__name__}: {exc}", MessageType.TOOL)
 
 
 def _check_step_result(result) -> tuple[list[Message], bool]:
@@ -55,7 +41,8 @@ def _step(env, rollout: Rollout) -> tuple[list[Message], bool, str | None]:
         msgs, done = _check_step_result(env.step(rollout, rollout.metadata.get("env_state")))
         return msgs, done, None
     except Exception as e:  # noqa: BLE001  (any env failure is data, not a crash of the batch)
-        return [_error_message("the environment step", e)], True, f"{type(e).__name__}: {e}"
+        failed = f"{type(e).__name__}: {e}"
+        return [Message(f"Error: the environment step failed with {failed}", MessageType.TOOL)], True, failed
 
 
 def _setup(env, question, answer, group_id: int, tools) -> Rollout:
@@ -134,16 +121,12 @@ def collect_rollouts(generator, env, questions: Sequence[Any], answers: Sequence
                      max_workers: int | None = None) -> list[Rollout]:
     """Run one episode per (question, group member) and return the R = Q * G rollouts, group-major.
 
-    generator: anything with `batch_rollout_generate_response(rollouts)` (appends one MODEL message
-    each), e.g. `ModelGenerate`; if it also has `prompt_ids(rollouts)` and `fits(prompt_ids)`, episodes
-    whose next prompt would overflow the model's context end with done_reason "context" instead of
-    raising, and the prompts go on encoded (`batch_rollout_generate_response(..., prompt_ids=...)`).
-    env: an `Env` (`setup(question, answer) -> (messages, state)`, `step(rollout, state) -> (messages,
-    done)`); `setup` and `step` run concurrently in threads, so they must not share unguarded
-    mutable state. A `step` that raises ends that episode with a TOOL message saying what failed;
-    a `setup` that raises propagates (there is no episode to record). Once every episode has ended,
-    `env.reward(rollout, state)` (when the env scores episodes: `scores_episodes`) goes into
-    `metadata["reward"]`, then `env.close(state)` releases the episode's resources.
+    generator: anything with `batch_rollout_generate_response(rollouts)`, e.g. `ModelGenerate`; with
+    `prompt_ids(rollouts)` and `fits(prompt_ids)` too, an episode whose next prompt would overflow the
+    context ends ("context") and the prompts go on encoded (`prompt_ids=`).
+    env: an `Env`; `setup` and `step` run concurrently in threads (no unguarded shared state). A raising
+    `step` ends its episode with a TOOL message; a raising `setup` propagates. Once all episodes ended,
+    `env.reward` (when `scores_episodes`) goes into `metadata["reward"]`, then `env.close(state)`.
     max_turns: MODEL turns per episode (default: `env.max_turns`, else 10).
     """
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:

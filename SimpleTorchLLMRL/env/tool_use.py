@@ -4,11 +4,8 @@
     gen = ModelGenerate(model, tok, tool_call_stop=env.stop_strings)
     rollouts = collect_rollouts(gen, env, questions, answers, group_size=8)
 
-Each MODEL turn is parsed for tool calls (`ToolRegistry.parse`); the calls run
-(concurrently, with timeouts) and come back as TOOL messages, which are never
-trained. The episode ends after a turn without a call, or after `max_turns`
-MODEL turns. Bad calls are answered with an error message and the episode goes
-on. The env's `tools` (the JSON schemas) are what the chat template shows.
+Each MODEL turn's calls run (`ToolRegistry`) and come back as TOOL messages (never trained); the episode
+ends after a turn without a call, or after `max_turns`.
 """
 
 from __future__ import annotations

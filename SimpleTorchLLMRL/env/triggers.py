@@ -1,18 +1,11 @@
 """Triggers: interrupt generation when the text so far matches, append text, resume.
 
-A `Trigger` looks at the text generated so far and returns the text to append
-(e.g. the output of the code block the model just closed), or None to let the
-model go on / finish. `copy()` gives an independent trigger for a new episode
-(triggers may count their uses).
-
     trigger = CodeTrigger(PythonSandbox(timeout=5))
     trigger.trigger("Let me check.\\n```python\\nprint(6 * 7)\\n```\\n")
     # '\\n<Code Result>\\n42\\n</Code Result>\\n'
 
-Generation stops at `trigger.stop_strings` (pass them to ModelGenerate as
-`tool_call_stop=`); `TriggerEnv` turns a trigger into an `Env`, so
-`collect_rollouts` drives the interrupt-and-resume loop: the appended text
-becomes a TOOL message (never trained) and the next MODEL turn resumes after it.
+Generation stops at `trigger.stop_strings` (ModelGenerate's `tool_call_stop=`); `TriggerEnv` makes a
+trigger an `Env`, so `collect_rollouts` appends its text as a TOOL message and the next turn resumes.
 """
 
 from __future__ import annotations

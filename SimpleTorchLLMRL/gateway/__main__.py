@@ -5,6 +5,9 @@
 Clients: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=KEY)`. Rollouts are written
 to --record-to as they become final, a session's when it is idle past --session-ttl or is the
 least recently used past --max-sessions, and every session's when the server stops (Ctrl-C).
+With --admin-key, a trainer in another process lists the open sessions (GET /v1/sessions) and
+takes a finished episode's rollouts (POST /v1/sessions/{id}/finish), sending that key as
+`Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
@@ -14,32 +17,22 @@ import signal
 import threading
 
 
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
-    return value
+def _checked(kind: type, name: str, ok, rule: str):
+    """An argparse type: `kind(text)`, refused unless `ok(value)` (`name`: what argparse calls it)."""
+    def check(text: str):
+        value = kind(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
+        return value
+
+    check.__name__ = name
+    return check
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
+_non_negative = _checked(float, "_non_negative", lambda v: v >= 0, "a number >= 0")
+_non_negative_int = _checked(int, "_non_negative_int", lambda v: v >= 0, "an integer >= 0")
+_positive = _checked(float, "_positive", lambda v: v > 0, "a number > 0")
+_positive_int = _checked(int, "_positive_int", lambda v: v >= 1, "an integer >= 1")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--compile-budget", type=_positive, default=10.0,
                     help="seconds a request's grammar (response_format, a forced tool call) may take to compile; "
                          "past it the request is a 400 naming the field")
+    ap.add_argument("--admin-key", default=None,
+                    help="serve the session routes (GET /v1/sessions, POST /v1/sessions/{id}/finish) to requests "
+                         "sending `Authorization: Bearer KEY`; without it they are not served")
     return ap.parse_args(argv)
 
 
@@ -94,7 +90,7 @@ def main(argv=None) -> None:
     gateway = Gateway(generator, model_name=a.served_model_name, record_to=a.record_to,
                       max_body_bytes=a.max_body_bytes, window=a.window, max_batch=a.max_batch,
                       session_ttl=a.session_ttl or None, max_sessions=a.max_sessions or None,
-                      compile_budget=a.compile_budget)
+                      compile_budget=a.compile_budget, admin_key=a.admin_key)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with gateway.serve(a.host, a.port) as url:

@@ -1,18 +1,6 @@
-"""Requests that arrive together are generated together.
-
-One batch generates at a time, in one worker thread, while the event loop keeps accepting requests. The
-window adapts: requests that arrive while a batch generates queue, and the next batch takes all of them at
-once; a request that finds the batcher idle waits until no other request has arrived for `window` seconds
-and none is still being prepared (parsed, encoded: `expect`), at most `max_wait` seconds and `max_batch`
-requests in all. So simultaneous sessions share one batch. The batch is split by sampling options (one
-`ModelGenerate.generate` call per distinct options and n); each job keeps its own seed (rows draw from
-their own streams, so a seeded request samples the same alone or batched). A call that fails is retried
-job by job, so one bad request fails alone.
-
-A job is cancelled (`Job.cancel`: its client hung up) and its rows stop within a few decode steps; its
-result is dropped; the other rows of the batch sample exactly what they would have. A job with a
-`listener` (`gateway.streaming.Listener`: a stream) also receives its rows' ids as they are sampled.
-`batches` keeps the sizes of the last MAX_RECORDS batches (for tests and logs).
+"""Requests that arrive together are generated together, one batch at a time on a worker thread, split by
+sampling options, each job with its own seed; a failed call is retried job by job, and a cancelled job's rows
+stop within a few decode steps (docs/gateway.md, "Batching"). `NamedLocks`: one X-Session-Id's calls in order.
 """
 
 from __future__ import annotations
@@ -23,6 +11,7 @@ import dataclasses
 import json
 import threading
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from SimpleTorchLLMRL.model.generation.sampling import DecodeWatch, SamplingConfig
@@ -98,7 +87,8 @@ class Batcher:
         return job
 
     async def _gather(self) -> list[Job]:
-        """The next batch: the first request, then what is queued, waiting while it may grow (module docstring)."""
+        """The next batch: the first request, then what is queued, waiting while it may grow (docs/gateway.md,
+        "Batching")."""
         loop = asyncio.get_running_loop()
         batch = [await self._queue.get()]
         idle = self._queue.empty()  # nothing queued behind it: it did not wait for a batch to end
@@ -180,3 +170,25 @@ def _watch(jobs: list[Job], n: int) -> DecodeWatch:
 
     streams = any(j.listener is not None for j in jobs)
     return DecodeWatch(on_tokens if streams else None, lambda r: jobs[r // n].cancelled)
+
+
+class NamedLocks:
+    """One asyncio.Lock per name while a call holds or waits for it; dropped when the last one leaves."""
+
+    def __init__(self):
+        self._locks: dict[str, list] = {}  # name -> [lock, holders and waiters]
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, name: str) -> AsyncIterator[None]:
+        entry = self._locks.setdefault(name, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._locks[name]

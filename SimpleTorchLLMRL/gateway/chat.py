@@ -1,11 +1,8 @@
 """POST /v1/chat/completions at the two ends of the pipeline: `parse` (wire -> `GenRequest`) and `render`
 (`Result` -> the `chat.completion` object); its stream is `streaming.chat_stream`.
 
-Every field of a request is honoured, or refused with an OpenAI-shaped 400 whose `param` names it; none is
-silently ignored. A field that would change the reply and is not implemented is refused whenever it is set
-to anything but its default; a field nobody knows is refused as OpenAI refuses it ("Unrecognized request
-argument"). response_format, tool_choice "required" / a named function and parallel_tool_calls false become
-the reply's grammar (`structured.grammar_spec`). docs/gateway.md carries the same tables for users.
+Every field is honoured, or refused with a 400 whose `param` names it (docs/gateway.md, "Every request
+field").
 """
 
 from __future__ import annotations

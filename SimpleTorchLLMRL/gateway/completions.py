@@ -1,12 +1,10 @@
 """POST /v1/completions (OpenAI's legacy text completions) at the two ends of the pipeline: `parse` and `render`.
-
-A prompt is raw text (or token ids), tokenized as it is, with no chat template, and continued by the same
-batched generator as chat requests. These calls are not recorded as rollouts: a rollout is a conversation,
-and a raw prompt has none. A streamed completion is sent as one chunk per choice once it is done.
+A raw prompt (text or ids), no chat template, not recorded (docs/gateway.md, "Text completions").
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from dataclasses import dataclass
@@ -100,10 +98,7 @@ def parse(body: Any, ctx) -> GenRequest:
 def legacy_logprobs(tokenizer, msg, top: list | None) -> dict:
     """OpenAI's legacy `choice.logprobs`: tokens, token_logprobs, top_logprobs (token -> log-prob), text_offset."""
     tokens = [tokenizer.decode([t]) for t in msg.token_ids]
-    offsets, at = [], 0
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
     tops = [{tokenizer.decode([t]): v for t, v in row} for row in top] if top is not None else None
     return {"tokens": tokens, "token_logprobs": list(msg.logprobs), "top_logprobs": tops, "text_offset": offsets}
 

@@ -6,10 +6,8 @@
     ... the pipeline (`server.Gateway.events`) ...
     Result(prompt_ids, choices, session)              # each route's render reads it
 
-A request is refused (`RequestError`, OpenAI's error shape) before anything is spent on it: a body larger
-than the limit is refused from its Content-Length before a byte of it is read; every field is checked for
-its JSON type (booleans only as JSON booleans, integers only as integers) and range; text that is not valid
-Unicode (a lone surrogate such as "\\ud800", which JSON can spell) is a 400 naming the field.
+Every field is checked for its JSON type and range before anything is spent on the request
+(docs/gateway.md, "Every request field").
 """
 
 from __future__ import annotations
@@ -81,6 +79,7 @@ async def read_body(request, limit: int) -> bytes:
 
 # a UTF-16 surrogate written as a JSON escape: the only way a JSON text can hold one (raw UTF-8 cannot)
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")  # what a str holds that UTF-8 cannot encode
 YIELD_EVERY = 2000  # nodes a walk checks between two releases of the GIL (a large body, off the event loop)
 
 
@@ -163,7 +162,7 @@ def check_json(body: Any, strings: bool = True) -> None:
         if not seen % YIELD_EVERY:
             time.sleep(0)  # lets the event loop and the generation worker take the GIL
         if isinstance(node, str):
-            if not node.isascii() and not _encodes(node):
+            if not node.isascii() and LONE_SURROGATE.search(node):
                 top = None if top is None else str(top).encode("utf-8", "backslashreplace").decode()
                 where = f"'{top}'" if top is not None else "the request body"
                 raise bad(f"{where} holds text that is not valid Unicode (a lone surrogate, e.g. \\ud800)", top,
@@ -178,14 +177,6 @@ def check_json(body: Any, strings: bool = True) -> None:
                 stack.append((k, depth, key_top))
             if isinstance(v, (dict, list)) or (strings and isinstance(v, str)):
                 stack.append((v, depth + 1, key_top))
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 # ----------------------------------------------------------------------------- fields
@@ -309,17 +300,16 @@ def _logit_bias(body: dict, defaults: SamplingConfig, vocab_size: int | None):
 class GenRequest:
     """One generation request, whatever route it came by: what the pipeline runs.
 
-    messages: a conversation (normalized chat messages: `chat.normalize_message`), planned in its session
-    (merge or fork), encoded by the chat template with `tools` and `template_kwargs`, and recorded. prompts:
-    raw prompts instead (text, or token ids), each encoded as it is and sampled `n` times; not recorded.
-    grammar: what every reply must match, built and compiled by the pipeline off the event loop
-    (`structured.GrammarSpec`; None: unconstrained). stop: the request's own stop strings (left out of the
-    text it is shown). top_logprobs: alternatives per sampled token (0: none). session: (name, named by
-    X-Session-Id) when the route chose it (a Responses link), else the headers name it. options: the route's
-    own settings, read by its render (include_usage, return_token_ids, ...)."""
+    One of: messages (normalized chat messages, planned in their session, encoded by the chat template with
+    `tools` and `template_kwargs`, recorded), tokens (prompt ids, planned by id prefix, recorded) or prompts
+    (raw text or ids, each sampled `n` times, not recorded). grammar: a `structured.GrammarSpec` (None:
+    unconstrained). stop: the request's own stop strings (left out of the text shown). top_logprobs:
+    alternatives per sampled token (0: none). session: (name, named by X-Session-Id) when the route chose it
+    (a Responses link), else the headers name it. options: the route's own settings, read by its render."""
 
     sampling: SamplingConfig
     messages: list[dict] | None = None
+    tokens: list[int] | None = None
     prompts: list[str | list[int]] | None = None
     tools: list[dict] | None = None
     template_kwargs: dict = field(default_factory=dict)
@@ -333,11 +323,16 @@ class GenRequest:
     session: tuple[str, bool] | None = None
     options: Any = None
 
+    @property
+    def recorded(self) -> bool:
+        """A conversation or a token prompt: planned in a session and recorded."""
+        return self.messages is not None or self.tokens is not None
+
 
 def check_prompt_size(req: GenRequest, max_context: int | None) -> None:
     """400 (context_length_exceeded) when the prompt is too long to fit even at CHARS_PER_TOKEN characters a
     token: a bound that costs no tokenization. Counts message contents, their tool calls and the tools."""
-    if max_context is None:
+    if max_context is None or req.tokens is not None:  # token ids: counted exactly when encoded
         return
     if req.prompts is not None:
         sizes = [len(p) for p in req.prompts if isinstance(p, str)]

@@ -1,20 +1,11 @@
-"""The OpenAI Responses API wire format, translated onto the Chat Completions path.
-
-A Responses request becomes the Chat Completions body the chat route takes (`chat_body`), so
-sessions, recording, batching, limits and field checks are the chat path's own; the chat
-completion it answers becomes a Response object (`response_object`) or its stream of events
-(`stream_events`). Plain functions over JSON-ready dicts; the route is `gateway.responses_route`.
+"""The OpenAI Responses API wire format, translated onto the Chat Completions path: plain functions over
+JSON-ready dicts; the route is `gateway.responses_route`.
 
     chat_body(body, history) -> (chat completions body, the new messages)   (RequestError -> a 400)
     response_object(...)      -> {"id": "resp_...", "object": "response", "output": [...], ...}
     stream_events(start, message_id, deltas, finish) -> the response.* events, in order
 
-Input items map onto chat messages: a `message` (role user / system / developer / assistant) is
-that message; an assistant `message` and the `function_call` items after it are one assistant
-turn with `tool_calls` (the way this gateway answers them, so a replayed turn is recognized by the
-sessions' merge rule); `function_call_output` is a `tool` message; `instructions` is a system
-message first. Every request field is honoured, passed to the chat path (which honours, accepts or
-refuses it), or refused with a 400 naming it: the tables below.
+How input items map onto chat messages, and every field's fate: docs/gateway.md, "The Responses API".
 """
 
 from __future__ import annotations
@@ -24,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from SimpleTorchLLMRL.gateway.request import RequestError, bad, int_field
+from SimpleTorchLLMRL.gateway.request import RequestError, bad, check_fields, int_field
 
 # read here and translated to the chat body (return_token_ids, chat_template_kwargs: the gateway's own)
 HONOURED = frozenset({
@@ -51,6 +42,9 @@ REFUSED_UNLESS_DEFAULT: dict[str, tuple[tuple, str]] = {
     "access_programs": ((None,), "access_programs are not supported"),
     "image": ((None,), "image generation is not supported"),
 }
+# the same, as `check_fields` takes it (a value equal to an allowed one and of its type: 0 is not False)
+_REFUSED = {key: (lambda v, allowed=allowed: any(v == a and type(v) is type(a) for a in allowed), why)
+            for key, (allowed, why) in REFUSED_UNLESS_DEFAULT.items()}
 # Responses includables honoured here; every other one is refused
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # a chat parameter's name as the Responses request spells it, for the chat path's 400s
@@ -67,19 +61,6 @@ def new_id(prefix: str) -> str:
 
 
 # ----------------------------------------------------------------------------- requests
-
-
-def check_fields(body: dict) -> None:
-    """Refuse (400 naming the field) an unknown field, or a refused one set to a non-default value."""
-    for key, value in body.items():
-        if key in HONOURED or key in PASSED:
-            continue
-        rule = REFUSED_UNLESS_DEFAULT.get(key)
-        if rule is None:
-            raise bad(f"Unrecognized request argument supplied: {key}", key, "unknown_parameter")
-        allowed, why = rule
-        if not any(value == a and type(value) is type(a) for a in allowed):
-            raise bad(f"{why} (got {key}={value!r})", key, "unsupported_parameter")
 
 
 def _extra_keys(item: dict, known: set, where: str) -> None:
@@ -129,7 +110,7 @@ def _arguments(item: dict, where: str) -> str:
 
 
 def input_messages(value: Any) -> list[dict]:
-    """`input` as chat messages (see the module doc): a string is one user message."""
+    """`input` as chat messages (docs/gateway.md, "The Responses API"): a string is one user message."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
@@ -246,7 +227,7 @@ def chat_body(body: Any, history: list[dict]) -> tuple[dict, list[dict]]:
     input items). history: the conversation of its previous_response_id (none: []), before the new items."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    check_fields(body)
+    check_fields(body, HONOURED, PASSED, _REFUSED)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad("'instructions' must be a string", "instructions")

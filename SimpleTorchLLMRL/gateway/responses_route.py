@@ -1,19 +1,10 @@
 """POST /v1/responses and GET /v1/responses/{id}: the Responses API at the two ends of the chat pipeline.
 
-`parse` translates a request to the Chat Completions body (`responses.chat_body`) and parses that with the
-chat route's own `chat.parse`; `render` turns the chat completion into a Response (`stream`: its events, the
-reply's text as the rows sample). So sessions, merges, recording, batching, limits and field checks are the
-chat path's, and the OpenAI Agents SDK, whose default model calls this route, runs with nothing but
-`base_url` set; its episodes become rollouts with the exact sampled ids. The chat path's 400s name the
-Responses fields (`respell`: messages -> input, ...).
-
-`previous_response_id` is a session link: each stored response (`store` left out or true) names its
-session and conversation (the conversation without `instructions`, then the reply as the client
-was shown it), so a follow-up that sends only its new items continues that conversation, in that
-session, and merges into the same rollout. The links live in the `SessionStore`: they go when
-their session is finished (TTL, cap, `clear`), and a session keeps its latest `MAX_LINKS`. An
-unknown or finished id is a 400 naming `previous_response_id`. `GET /v1/responses/{id}` returns
-a linked response while its session lives, else a 404.
+`parse` translates a request to a Chat Completions body (`responses.chat_body`) and parses it with
+`chat.parse`; `render` turns the chat completion into a Response (`stream`: its events). Sessions, merges,
+recording and field checks are the chat path's; its 400s name the Responses fields (`respell`). A stored
+response links its session and conversation (`SessionStore.link`), so `previous_response_id` continues them
+(docs/gateway.md, "The Responses API").
 """
 
 from __future__ import annotations
@@ -53,8 +44,7 @@ class ResponsesOptions:
     created: int
 
 
-def respell(e: RequestError) -> RequestError:
-    return as_responses_error(e)
+respell = as_responses_error
 
 
 def previous(store, body) -> tuple:

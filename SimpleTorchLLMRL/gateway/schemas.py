@@ -1,16 +1,6 @@
 """What a JSON schema may hold before the gateway turns it into a grammar, checked in one pass of Python
-before anything is compiled:
-
-- every keyword is one the grammar enforces (xgrammar's JSON-schema converter) or an annotation; any other
-  (`uniqueItems`, `not`, `if` / `then` / `else`, `dependentRequired`, `allOf` of several schemas, a `oneOf`
-  whose branches may overlap, `multipleOf` on a non-integer, an unknown `format`, ...) is a 400 naming it,
-  never a constraint silently left out;
-- sizes are bounded (per request, over all its schemas): schema nodes, enum / const values and their text,
-  repetition counts in `pattern` regexes, length and item bounds; each bound is what keeps a compile
-  within a fraction of a second;
-- `$ref`s are local ("#", "#/..."), resolve, and every subschema has a finite instance: a `$ref` loop with
-  no base case (an alias cycle, a required property that contains itself) would give a grammar that never
-  ends, so it is a 400.
+before anything is compiled: keywords the grammar enforces (or annotations), bounded sizes per request, local
+`$ref`s that resolve, a finite instance for every subschema (docs/gateway.md, "Structured output").
 
     budget = Budget()
     check_schema(schema, "response_format", budget)     # raises RequestError (400) naming the field
@@ -218,24 +208,19 @@ def _finite(node: Any, known: dict[int, bool], root: dict, field: str) -> bool:
     """Whether `node` has a finite instance, given what is `known` of the other subschemas (by id)."""
     if isinstance(node, bool):
         return node
-    if "$ref" in node:
-        target = _resolve(root, node["$ref"], field)
-        if not (target is True or (isinstance(target, dict) and known.get(id(target), False))):
-            return False
+
+    def ok(sub: Any) -> bool:  # known to have a finite instance
+        return sub is True or (isinstance(sub, dict) and known.get(id(sub), False))
+
+    if "$ref" in node and not ok(_resolve(root, node["$ref"], field)):
+        return False
     branches = node.get("anyOf") or node.get("oneOf")
-    if branches and not any(b is True or (isinstance(b, dict) and known.get(id(b), False)) for b in branches):
+    if branches and not any(ok(b) for b in branches):
         return False
-    if any(not (b is True or (isinstance(b, dict) and known.get(id(b), False))) for b in node.get("allOf") or []):
-        return False
-    props = node.get("properties") or {}
-    for name in node.get("required") or []:
-        sub = props.get(name, True)
-        if not (sub is True or (isinstance(sub, dict) and known.get(id(sub), False))):
-            return False
-    least = node.get("minItems") or 0
-    prefix = node.get("prefixItems") or []
+    least, prefix = node.get("minItems") or 0, node.get("prefixItems") or []
     needed = prefix[:least] + ([node["items"]] if least > len(prefix) and isinstance(node.get("items"), dict) else [])
-    return all(b is True or (isinstance(b, dict) and known.get(id(b), False)) for b in needed)
+    required = [(node.get("properties") or {}).get(name, True) for name in node.get("required") or []]
+    return all(ok(b) for b in [*(node.get("allOf") or []), *required, *needed])
 
 
 def _check_finite(root: dict, nodes: list[tuple[dict, str]], field: str) -> None:

@@ -6,16 +6,13 @@
         ...                                                  # any agent written against the OpenAI API
     rollouts = gw.rollouts("episode-17")                     # list[Rollout], ready for GRPO
 
-One pipeline serves every route; a route only supplies the two ends (`Route`):
+One pipeline serves every route; a route only supplies the two ends (`routes.Route`):
 
     parse (wire -> GenRequest) -> grammar (built and compiled off the event loop, within a budget)
       -> session plan (merge / fork: `gateway.sessions`) -> encode (off the event loop)
       -> run (`gateway.batcher`; a stream's `streaming.Listener`) -> record -> render (Result -> wire)
 
-Routes: POST /v1/chat/completions (`chat`), POST /v1/completions (`completions`), POST /v1/responses and
-GET /v1/responses/{id} (`responses_route`), GET /v1/models, GET /v1/models/{id}, GET /health and errors in
-OpenAI's shape (`routes`). A session is named by the `X-Session-Id` header, else by the API key
-(`Authorization: Bearer ...`). A new route is a parse and a render function added to `routes()`.
+The routes, and how a session is named: docs/gateway.md, "The API" and "Sessions".
 """
 
 
@@ -25,12 +22,11 @@ import dataclasses
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator, Sequence
 
-from SimpleTorchLLMRL.chat.message import Rollout
+from SimpleTorchLLMRL.chat.message import MessageType, Rollout
 from SimpleTorchLLMRL.chat.tokenize import encode_prompt
-from SimpleTorchLLMRL.gateway.batcher import Batcher, Job
+from SimpleTorchLLMRL.gateway.batcher import Batcher, Job, NamedLocks
 from SimpleTorchLLMRL.gateway.chat import reply_choice
 from SimpleTorchLLMRL.gateway.request import (
     DEFAULT_MAX_BODY_BYTES,
@@ -44,7 +40,7 @@ from SimpleTorchLLMRL.gateway.request import (
     parse_json,
     read_body,
 )
-from SimpleTorchLLMRL.gateway.sessions import NamedLocks, Plan, SessionStore, shown_view
+from SimpleTorchLLMRL.gateway.sessions import Plan, SessionStore, shown_view
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 
 ANONYMOUS = "default"
@@ -70,60 +66,30 @@ def session_name(headers) -> str:
     return key or ANONYMOUS
 
 
-@dataclass(frozen=True)
-class Route:
-    """A generation route's two ends. parse(body, gateway) -> GenRequest; render(result, req, gateway) -> a
-    JSON-ready dict (or a response); stream(started, events, req, gateway) -> the streaming response of a live
-    stream (None: the route renders streams itself); respell(RequestError) -> the error as the route names
-    its fields; longest: the most items a top-level list field may hold (refused before the rest of a large
-    body is decoded)."""
-
-    path: str
-    parse: Callable
-    render: Callable
-    stream: Callable | None = None
-    respell: Callable | None = None
-    longest: dict[str, int] | None = None  # top-level list fields' limits, checked while a large body is read
-
-
-def routes() -> list[Route]:
-    import SimpleTorchLLMRL.gateway.chat as chat
-    import SimpleTorchLLMRL.gateway.completions as completions
-    import SimpleTorchLLMRL.gateway.responses_route as responses_route
-    from SimpleTorchLLMRL.gateway.streaming import chat_stream
-
-    tools = {"tools": chat.MAX_TOOLS}
-    return [Route("/v1/chat/completions", chat.parse, chat.render, chat_stream, longest=tools),
-            Route("/v1/completions", completions.parse, completions.render),
-            Route("/v1/responses", responses_route.parse, responses_route.render, responses_route.stream,
-                  responses_route.respell, longest=tools)]
-
-
 class Gateway:
     """An OpenAI-compatible server over `generator` that records each session's calls as rollouts.
 
-    generator: a `ModelGenerate`; its sampling options are the defaults a request may override
-    (temperature, top_p, max_tokens, stop; its stop strings and tool-call stops always apply), copied
-    once here: each request's settings go to its own generate call and never into the defaults.
-    model_name: the `model` clients ask for (others get 404). record_to: a .jsonl file that
-    receives every rollout once it is final (`RolloutWriter`). window / max_batch: requests that
-    arrive while a batch generates form the next batch; one that finds the gateway idle waits for
-    others until none has come for `window` seconds (at most `max_batch` per batch; `gateway.batcher`).
-    tool_parsers: how tool calls are read from sampled text (default: Hermes / Qwen `<tool_call>`
-    JSON, `tools.parsers.JsonToolCallParser`). max_body_bytes: larger request bodies get 413, refused
-    before they are read. session_ttl: seconds a session may stay idle before it is finished (its open
-    rollouts written to `record_to`, then forgotten); max_sessions: past this many open sessions the least
-    recently used one is finished the same way (None: no limit; `gateway.sessions`). compile_budget: seconds
-    a request's grammar (response_format, forced tool calls) may take to build and compile before the
-    request is a 400 naming the field (`gateway.structured`). clock: the time source of the TTL.
+    generator: a `ModelGenerate`; its sampling options, copied once, are the defaults a request may override
+    (its stop strings and tool-call stops always apply). model_name: the `model` clients ask for (others get
+    404). record_to: a .jsonl file that receives every rollout once it is final (`RolloutWriter`). window /
+    max_batch: how requests form batches (`gateway.batcher`). tool_parsers: how tool calls are read from
+    sampled text (default: `<tool_call>` JSON, `JsonToolCallParser`). max_body_bytes: larger bodies get 413,
+    before they are read. session_ttl / max_sessions: the idle seconds, and the open sessions, past which a
+    session is finished: its open rollouts written to `record_to`, then forgotten (None: no limit).
+    compile_budget: seconds a request's grammar may take to build and compile (past it, a 400 naming the
+    field). admin_key: serves the session routes (GET /v1/sessions, POST /v1/sessions/{id}/finish) to
+    `Authorization: Bearer <admin_key>` only (None: not served). clock: the time source of the TTL.
     """
 
     def __init__(self, generator, *, model_name: str = "policy", record_to=None, window: float = 0.02,
                  max_batch: int = 64, tool_parsers: Sequence | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, session_ttl: float | None = None,
-                 max_sessions: int | None = None, compile_budget: float = 10.0, clock=time.monotonic):
+                 max_sessions: int | None = None, compile_budget: float = 10.0, admin_key: str | None = None,
+                 clock=time.monotonic):
         if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be a positive number of bytes, got {max_body_bytes!r}")
+        if admin_key is not None and (not isinstance(admin_key, str) or not admin_key.strip()):
+            raise ValueError("admin_key must be a non-empty string or None")
         if not compile_budget > 0:
             raise ValueError(f"compile_budget must be a positive number of seconds, got {compile_budget!r}")
         self.generator, self.model_name, self.tool_parsers = generator, model_name, tool_parsers
@@ -133,7 +99,7 @@ class Gateway:
         self.defaults = dataclasses.replace(generator.config)
         self.vocab_size = len(generator.tokenizer)  # the token ids a request's logit_bias may name
         self.supports_top_logprobs = generator.backend.supports_top_logprobs
-        self.max_body_bytes, self.compile_budget = max_body_bytes, compile_budget
+        self.max_body_bytes, self.compile_budget, self.admin_key = max_body_bytes, compile_budget, admin_key
         self.store = SessionStore(ttl=session_ttl, max_sessions=max_sessions, on_finish=self._write, clock=clock)
         self.locks = NamedLocks()  # X-Session-Id -> its calls' lock, while one is in flight
         self.batcher = Batcher(generator, window, max_batch)
@@ -158,11 +124,20 @@ class Gateway:
         """Every rollout of the session (copies): finished ones, then one per reply of its last call."""
         return self.store.rollouts(session)
 
+    def take(self, session_ids) -> dict[str, list[Rollout]]:
+        """Finish those sessions (names; a str is one): {id: its rollouts} (finished ones, then one per reply of its
+        last call; [] for an id without a session), removed from the gateway; the ones not yet final are written
+        to `record_to` now. A session with a call in flight is a ValueError, and nothing is taken."""
+        ids = [session_ids] if isinstance(session_ids, str) else list(session_ids)
+        if not all(isinstance(i, str) for i in ids):
+            raise TypeError(f"session_ids must be session names (str), got {ids!r:.200}")
+        taken = self.store.take(ids)
+        self._write([r for sessions in taken.values() for s in sessions for r in s.open_rollouts()])
+        return {name: [r for s in sessions for r in s.rollouts()] for name, sessions in taken.items()}
+
     def clear(self, session: str) -> list[Rollout]:
-        """Forget the session; returns its rollouts (the ones not yet final are written to `record_to` now)."""
-        popped = self.store.pop(session)
-        self._write([r for s in popped for r in s.open_rollouts()])
-        return [r for s in popped for r in s.rollouts()]
+        """Forget one session; returns its rollouts (`take` of one: a ValueError while it has a call in flight)."""
+        return self.take([session])[session]
 
     def close(self) -> None:
         """Write the rollouts not yet final of every session to `record_to` and close the file."""
@@ -209,7 +184,7 @@ class Gateway:
         """The FastAPI application (serve it with any ASGI server): only the documented routes answer."""
         fastapi, _ = _fastapi()
         from SimpleTorchLLMRL.gateway.responses_route import retrieve_route
-        from SimpleTorchLLMRL.gateway.routes import install
+        from SimpleTorchLLMRL.gateway.routes import install, install_admin, routes
 
         @contextlib.asynccontextmanager
         async def lifespan(_app):
@@ -221,6 +196,8 @@ class Gateway:
 
         app = fastapi.FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
         install(self, app)  # /health, /v1/models, /v1/models/{id}; 404 / 405 / 400 / 500 in OpenAI's shape
+        if self.admin_key is not None:
+            install_admin(self, app)  # /v1/sessions, /v1/sessions/{id}/finish
         for route in routes():
             app.post(route.path)(self._handler(route))
         app.get("/v1/responses/{response_id}")(retrieve_route(self))
@@ -244,7 +221,7 @@ class Gateway:
         """(the session a request names, whether an X-Session-Id names it): `session_name` and its kind."""
         return session_name(headers), bool(headers.get("x-session-id"))
 
-    def _handler(self, route: Route):
+    def _handler(self, route):
         """The endpoint of a generation route: read, parse, run the pipeline, render (or stream)."""
         from fastapi import Request
         from fastapi.responses import JSONResponse
@@ -270,7 +247,7 @@ class Gateway:
 
         return handle
 
-    async def _stream(self, route: Route, req: GenRequest, where: tuple[str, bool]):
+    async def _stream(self, route, req: GenRequest, where: tuple[str, bool]):
         """A live stream: what cannot be generated is a 4xx before the headers; then the route's events."""
         from SimpleTorchLLMRL.gateway.streaming import Listener
 
@@ -298,13 +275,13 @@ class Gateway:
         `Finished` once recorded. Closing it before `Finished` (the client left) cancels the call: its rows stop
         within a few decode steps and nothing is recorded. `where`: (session name, named by X-Session-Id)."""
         sampling = req.sampling if req.grammar is None else await self.grammars().sampling(req.grammar, req.sampling)
-        conversation = req.messages is not None
+        recorded = req.recorded
         # an X-Session-Id session's calls run in order (each merges onto the previous, or forks);
         # calls named by an API key only are matched to that key's open sessions by prefix, in parallel
-        async with self.locks.hold(where[0]) if conversation and where[1] else contextlib.nullcontext():
-            if conversation:
+        async with self.locks.hold(where[0]) if recorded and where[1] else contextlib.nullcontext():
+            if recorded:
                 self.store.expire()
-            session, plan = self.store.open(where[0], req, explicit=where[1]) if conversation else (None, None)
+            session, plan = self.store.open(where[0], req, explicit=where[1]) if recorded else (None, None)
             jobs: list[Job] = []
             try:
                 with self.batcher.expect():  # a batch being formed waits for this call
@@ -323,7 +300,8 @@ class Gateway:
                         yield delta
                 if session is not None:
                     self.store.record(session, plan, [c.message for c in result.choices],
-                                      [shown_view(c.content, c.tool_calls) for c in result.choices])
+                                      [tuple(c.message.token_ids) if req.tokens is not None
+                                       else shown_view(c.content, c.tool_calls) for c in result.choices])
             except BaseException:  # the client left (cancelled, closed) or the call failed: stop its rows
                 for job in jobs:
                     job.cancel()
@@ -342,13 +320,20 @@ class Gateway:
         return self._grammars
 
     def _encode(self, req: GenRequest, plan: Plan | None, sampling: SamplingConfig):
-        """The prompts' ids (a conversation by its template, as sampled; raw text as it is) and the call's
-        settings; 400 when they do not fit. A request that left max_tokens out gets the default cut to the
-        context that the prompt leaves (as OpenAI and vLLM do); one that set it gets a 400."""
-        param = "messages" if plan is not None else "prompt"
+        """The prompts' ids (a conversation by its template, as sampled; token ids and raw text as they are) and
+        the call's settings; 400 when they do not fit. A request that left max_tokens out gets the default cut
+        to the context that the prompt leaves (as OpenAI and vLLM do); one that set it gets a 400. The context
+        message of a token call's new ids gets their text here, off the event loop."""
+        param = "messages" if req.messages is not None else "token_ids" if req.tokens is not None else "prompt"
         try:
-            prompts = ([encode_prompt(plan.prompt, self.tokenizer)] if plan is not None
-                       else [self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in req.prompts])
+            if req.messages is not None:
+                prompts = [encode_prompt(plan.prompt, self.tokenizer)]
+            elif req.tokens is not None:
+                prompts, tail = [list(req.tokens)], plan.prompt[-1] if plan is not None and len(plan.prompt) else None
+                if tail is not None and tail.type is not MessageType.MODEL and not tail.content:
+                    tail.content = self.tokenizer.decode(tail.token_ids)
+            else:
+                prompts = [self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in req.prompts]
         except ValueError as e:
             raise bad(f"the {param} cannot be encoded for this model: {e}", param) from e
         if not all(prompts):

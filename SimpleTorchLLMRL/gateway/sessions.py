@@ -1,58 +1,28 @@
 """Sessions: one agent episode per API key (or X-Session-Id), its calls recorded as `Rollout`s.
 
-After each call a session holds its *branch*: the prompt messages of that call and the n
-replies sampled for it (MODEL messages carrying their sampled ids and log-probs). The next
-call of the session either
-
-- **merges**: its messages are the branch's messages followed by one of the replies, as the
-  client was shown it (content and tool calls; arguments compared as parsed JSON, ids and
-  whitespace around the content ignored; so is the `name` a named agent replays it with, which
-  the MODEL message keeps as the agent), followed by new messages, with the same tools and
-  template options. The prompt is then that reply's conversation plus the new messages, so a
-  sampled turn is never re-rendered: the encoder places its ids as sampled. The other replies
-  become finished rollouts of their own.
-- or **forks**: anything else (an edited, dropped or summarized message, other tools). Every
-  reply of the branch becomes a finished rollout, and the new call starts a new branch whose
-  earlier assistant messages are context, not trained: they were sampled, if at all, under
-  another prompt.
-
-An assistant message the client wrote itself is always context (trainable=False).
-
-Which session a call belongs to (`SessionStore.open`): a call with an `X-Session-Id` goes to
-that one named session, and runs the rules above (merge or fork). A call without one (named
-by its API key) is matched by conversation prefix among the open sessions of that key: it
-joins the one whose branch it extends (merges), whichever that is; a call that extends none
-starts a new session of the key and closes nothing. So concurrent episodes under one API key
-are one session each.
-
-A session idle (no call in flight) for longer than `ttl` seconds is *finished*: its open
-rollouts go to `on_finish` (the gateway's `record_to`) and it is dropped from memory. Past
-`max_sessions` open sessions, the least recently used ones are finished the same way.
-
-Links (`SessionStore.link` / `linked`): a key (a Responses API response id) names a value (that
-response's conversation) for as long as its session lives, so `previous_response_id` continues
-the session; the links of a finished session go with it, and a session keeps its last
-`MAX_LINKS` only.
-
-Calls of one X-Session-Id run in order under that name's lock (`NamedLocks`): a lock exists only while a
-call holds or waits for it, so the locks are bounded by the calls in flight, never by the names seen.
+After each call a session holds its *branch*: the call's prompt messages and its n sampled replies. The next
+call merges onto one reply (sent back as the client was shown it) or forks; token calls by the same rules on
+ids (`tokens.plan_ids`). A call named by X-Session-Id goes to that session; one named by its API key joins
+the idle session of that key whose branch it extends, else starts a new one (`SessionStore.open`). Sessions
+idle past `ttl`, or least recently used past `max_sessions`, are finished: open rollouts to `on_finish`.
+Links name a value (a response id's conversation) while their session lives, its last `MAX_LINKS` only.
+The rules and why: docs/gateway.md, "Sessions".
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import itertools
 import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 from SimpleTorchLLMRL.gateway.request import GenRequest
+from SimpleTorchLLMRL.gateway.tokens import TOKENS, continued, plan_ids
 
 MAX_LINKS = 256  # links a session keeps (its latest responses); older ones are forgotten
 
@@ -83,7 +53,9 @@ def shown_view(content: str | None, tool_calls: list[dict]) -> tuple:
 
 
 def options_of(req: GenRequest) -> str:
-    """The call's tools and template options, as one comparable string."""
+    """The call's tools and template options, as one comparable string (TOKENS for a call of token ids)."""
+    if req.tokens is not None:
+        return TOKENS
     return json.dumps([req.tools, req.template_kwargs], sort_keys=True, default=str)
 
 
@@ -132,6 +104,10 @@ class Session:
 
     def plan(self, req: GenRequest) -> Plan:
         """Merge onto the branch when the request extends it by one of its replies; fork otherwise."""
+        if req.tokens is not None:
+            messages, closed, merged = plan_ids(self.branch, req.tokens)
+            return Plan(Rollout(messages, {"session": self.name, "prompt": TOKENS}), [tuple(req.tokens)], closed,
+                        merged, TOKENS)
         b, views, options = self.branch, [view(t) for t in req.messages], options_of(req)
         metadata = {"session": self.name, **({"tools": req.tools} if req.tools else {}),
                     **({"chat_template_kwargs": req.template_kwargs} if req.template_kwargs else {})}
@@ -162,7 +138,7 @@ class Session:
 def _branch_keys(s: Session) -> list[tuple]:
     """The index keys of a session's branch: one per reply the client may continue."""
     b = s.branch
-    if b is None:
+    if b is None or b.options == TOKENS:  # token branches are matched by id prefix (`SessionStore._match`)
         return []
     prefix = tuple(b.views)
     return [(s.name, b.options, prefix, shown) for shown in set(b.shown)]
@@ -220,7 +196,11 @@ class SessionStore:
         return s, plan
 
     def _match(self, name: str, req: GenRequest) -> Session | None:
-        """The idle session of `name` whose branch the request extends by one of its replies (longest first)."""
+        """The idle session of `name` whose branch the request extends by one of its replies (longest first; a
+        call of token ids: the least recently used of that name's sessions that it continues)."""
+        if req.tokens is not None:
+            return next((s for s in self._sessions.values()
+                         if s.name == name and not s.busy and continued(s.branch, req.tokens) is not None), None)
         views, options = [view(t) for t in req.messages], options_of(req)
         for k in range(len(views) - 1, -1, -1):
             if views[k][0] != "assistant":
@@ -354,13 +334,34 @@ class SessionStore:
                                f"{list(dict.fromkeys(s.name for s in self._sessions.values() if s.calls))}")
             return [r.copy() for s in sessions for r in s.rollouts()]
 
-    def pop(self, name: str) -> list[Session]:
-        """Forget every session of `name`; returns them (oldest first)."""
+    def take(self, names: list[str]) -> dict[str, list[Session]]:
+        """Forget every session of each name; returns them by name (oldest first; [] for a name without one).
+        A ValueError, taking nothing, when one of them has a call in flight (its reply would be lost)."""
+        wanted = set(names)
         with self._lock:
-            out = sorted((s for s in self._sessions.values() if s.name == name), key=lambda s: s.id)
-            for s in out:
-                self._drop(s)
+            out = {name: [] for name in names}
+            for s in sorted((s for s in self._sessions.values() if s.name in wanted), key=lambda s: s.id):
+                out[s.name].append(s)
+            busy = [name for name, sessions in out.items() if any(s.busy for s in sessions)]
+            if busy:
+                raise ValueError(f"sessions {busy} have a call in flight: take them once their calls are answered")
+            for sessions in out.values():
+                for s in sessions:
+                    self._drop(s)
             return out
+
+    def sizes(self) -> list[dict]:
+        """Each name with a recorded call: its calls, rollouts, calls in flight and seconds since its last call."""
+        with self._lock:
+            now, out = self.clock(), {}
+            for s in sorted((s for s in self._sessions.values() if s.calls), key=lambda s: s.id):
+                size = out.setdefault(s.name, {"id": s.name, "calls": 0, "rollouts": 0, "in_flight": 0,
+                                               "idle_seconds": now - s.last_used})
+                size["calls"] += s.calls
+                size["rollouts"] += len(s.finished) + (len(s.branch.replies) if s.branch else 0)
+                size["in_flight"] += s.busy
+                size["idle_seconds"] = 0.0 if size["in_flight"] else min(size["idle_seconds"], now - s.last_used)
+            return list(out.values())
 
     def pop_all(self) -> list[Session]:
         with self._lock:
@@ -370,25 +371,3 @@ class SessionStore:
             self._index.clear()
             self._links.clear()
             return out
-
-
-class NamedLocks:
-    """One asyncio.Lock per name while a call holds or waits for it; dropped when the last one leaves."""
-
-    def __init__(self):
-        self._locks: dict[str, list] = {}  # name -> [lock, holders and waiters]
-
-    def __len__(self) -> int:
-        return len(self._locks)
-
-    @contextlib.asynccontextmanager
-    async def hold(self, name: str) -> AsyncIterator[None]:
-        entry = self._locks.setdefault(name, [asyncio.Lock(), 0])
-        entry[1] += 1
-        try:
-            async with entry[0]:
-                yield
-        finally:
-            entry[1] -= 1
-            if not entry[1]:
-                del self._locks[name]

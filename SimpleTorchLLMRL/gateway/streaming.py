@@ -1,16 +1,8 @@
 """Streaming: a call's sampled ids as they arrive, shown as text deltas; the chat route's chunk stream.
 
-Only a request that streams runs this code: the pipeline (`server.Gateway.events`) takes a `Listener`
-for it and yields its deltas; a plain request has none.
-
-    listener = Listener(loop, rows)                  # one `RowText` per choice of the call
-    # worker thread (the decode loop, through sampling.DecodeWatch): listener.push([(choice, ids), ...])
-    async for delta in listener.deltas(jobs): ...    # TextDeltas until every job's future is set
-
-`RowText` turns one row's ids into the text that may be shown so far: it decodes incrementally (never a
-partial UTF-8 character), ends the row at an EOS id or a stop string (the text through the stop, as
-`sampling.cut_sample` cuts it), and holds back text that may still become a stop string or, with tools
-offered, a tool call (from its opening tag; tool calls go out as `tool_calls` deltas at the end).
+Only a request that streams runs this code: the pipeline (`server.Gateway.events`) takes a `Listener` for it
+(fed from the decode loop's thread) and yields its deltas. `RowText` decodes one row incrementally and holds
+back text that may still become a stop string or a tool call (docs/gateway.md, "Streaming and hang-ups").
 """
 
 from __future__ import annotations
@@ -23,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from SimpleTorchLLMRL.gateway.chat import choice_object, held_suffix, tool_openings
-from SimpleTorchLLMRL.gateway.request import Finished, GenRequest, Result, new_id
+from SimpleTorchLLMRL.gateway.request import Finished, GenRequest, Result, new_id, without_stop
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig, text_through_stop
 
 RESET = object()  # put on a listener's queue when its jobs are generated again (a retry): their ids start over
@@ -84,14 +76,8 @@ class RowText:
     def _show(self, stops: Sequence[str]) -> str:
         if self.openings is None:
             return ""
-        safe = self.text
-        if self.hide:  # a hidden stop string is whole only where it ended the row
-            at = min((i for i in (safe.find(h) for h in self.hide) if i >= 0), default=len(safe))
-            safe = safe[:at]
-        if self.openings:
-            at = min((i for i in (safe.find(o) for o in self.openings) if i >= 0), default=-1)
-            if at >= 0:
-                safe = safe[:at]
+        # up to a hidden stop string (whole only where it ended the row), then up to a tool call's opening
+        safe = without_stop(without_stop(self.text, self.hide), self.openings)
         if not self.done or self.openings:
             safe = safe[: len(safe) - held_suffix(safe, (*stops, *self.openings))]
         if self.openings:

@@ -3,28 +3,10 @@
     spec = grammar_spec(response_format, tools, tool_choice, tool_function, parallel, parsers)  # checks only
     sampling = await compiler.sampling(spec, req.sampling)    # built and compiled off the loop, in a budget
 
-`grammar_spec` runs while the request is parsed: it checks what is asked (the schemas' keywords, sizes and
-termination: `gateway.schemas`) and builds nothing, so a refused request costs no compile. The grammar is
-built (xgrammar's EBNF) and compiled for the backend by `GrammarCompiler` on its own threads, never on the
-event loop nor on the generation worker, within a time budget: past it the request is a 400 naming the field
-(the compile still finishes on its thread; its result is dropped). The EBNF goes into the call's
-`SamplingConfig.grammar`; the HF loops and vLLM enforce it (`model/generation/constrain.py`). Every piece is
-built by xgrammar from a JSON schema, so a reply that matches the grammar parses and validates:
-
-    response_format json_object       one JSON object
-    response_format json_schema       JSON of that schema (strict: no properties beyond it)
-    tool_choice "required"            one or more calls of the offered tools, nothing else
-    tool_choice {"function": {N}}     one or more calls of N (exactly one with parallel_tool_calls false)
-    parallel_tool_calls false, "auto" any text, then at most one call
-
-A call is written the way the gateway's tool parser reads it back (`chat.reply_view`): the Hermes / Qwen
-`<tool_call>\\n{"name": "N", "arguments": {...}}\\n</tool_call>` of `JsonToolCallParser`, with that parser's
-tags. A parser whose format is not this one (tag or code-block calls) cannot be forced: a 400 naming the
-field. With tools and a JSON response_format under "auto" the reply is either the JSON or tool calls. No
-stop string applies to a constrained reply: the grammar decides where it ends (`SamplingConfig.all_stops`).
-
-Caches (docs/gateway.md): built grammars, the last `BUILT` (LRU, by what they are built from); compiled
-ones live in `constrain.compiled_grammar`'s bounded cache.
+`grammar_spec` checks while the request is parsed and builds nothing; `GrammarCompiler` builds (xgrammar's
+EBNF) and compiles on its own threads within a budget, past which the request is a 400 naming the field. A
+forced call is written as `JsonToolCallParser` reads it back. What each field asks for, and the caches:
+docs/gateway.md, "Structured output" and "Bounds".
 """
 
 from __future__ import annotations

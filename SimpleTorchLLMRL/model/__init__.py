@@ -1,10 +1,5 @@
-"""Models: `generation.generator.ModelGenerate` over two subpackages, and the weights' modules.
-
-- `generation/`: how a turn is sampled (sampling, picker, constrain, the HF and vLLM backends,
-  the fast decode, the vLLM engine and its stream, weight_sync; `generator`: ModelGenerate);
-- `scoring/`: per-token log-probs through the output head (logprobs, head, the kernels,
-  shared_prefix, truncation, liger);
-- here: `lora`, `adapters`, `dropout`; `ModelGenerate` is `generation/generator.py`.
+"""Models: `generation/` (how a turn is sampled; `generator.ModelGenerate` is the front), `scoring/`
+(per-token log-probs through the output head) and the weights' modules `lora`, `adapters`, `dropout`.
 
 Nothing is imported eagerly, so `import SimpleTorchLLMRL.model` stays cheap; import the modules.
 """

@@ -8,15 +8,13 @@
         ...
     save_adapters(model, "ckpt"); model = load_adapters(base_again, "ckpt")
 
-`use_adapter` only routes the forward pass. It never changes `requires_grad` (peft's own
-`set_adapter` does: it freezes every other adapter), so which adapters train is yours to say
-with `freeze_adapter`; an adapter that is not active takes no part in the forward pass and so
-never receives a gradient. An agent without an adapter samples from the base: `use_adapter(model, None)`.
+`use_adapter` never changes `requires_grad`: which adapters train is yours to say (`freeze_adapter`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -25,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from SimpleTorchLLMRL.model.lora import is_peft_model, keep_cpu_4bit_differentiable, lora_config
+from SimpleTorchLLMRL.model.lora import is_peft_model, is_quantized, keep_cpu_4bit_differentiable, lora_config
 
 _AGENTS_FILE = "agents.json"
 
@@ -187,9 +185,8 @@ def load_adapters(base: nn.Module, path: str | os.PathLike, names: Sequence[str]
                   is_trainable: bool = True):
     """The PeftModel of `save_adapters`: `base` (a plain model, or a PeftModel to add to) plus each `path/<name>/`.
 
-    names: default those listed in `path/agents.json`. With `is_trainable`, adapters saved
-    trainable are trainable again and frozen ones stay frozen; otherwise all are frozen.
-    The first adapter is active.
+    names: default those listed in `path/agents.json`. With `is_trainable`, adapters saved trainable are
+    trainable again and frozen ones stay frozen; otherwise all are frozen. The first adapter is active.
     """
     from peft import PeftModel
 
@@ -214,10 +211,6 @@ def load_adapters(base: nn.Module, path: str | os.PathLike, names: Sequence[str]
 
 def merged_adapter_model(model: nn.Module, name: str) -> nn.Module:
     """A plain transformers copy of the base with only adapter `name` folded in (`model` is untouched)."""
-    import copy
-
-    from SimpleTorchLLMRL.model.lora import is_quantized
-
     _check_adapter(model, name)
     if is_quantized(model):
         raise ValueError("merged_adapter_model refuses a 4-bit (QLoRA) base: merging into NF4 weights is lossy")

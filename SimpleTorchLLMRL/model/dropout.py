@@ -28,9 +28,8 @@ def active_dropout(model: nn.Module) -> list[str]:
     """Qualified names of the modules whose dropout is non-zero (empty: training is deterministic)."""
     found = []
     for name, module in model.named_modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            found.append(name or type(module).__name__)
-        elif any(v > 0 for v in _rates(module).values()):
+        drops = isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0
+        if drops or any(v > 0 for v in _rates(module).values()):
             found.append(name or type(module).__name__)
     return found
 

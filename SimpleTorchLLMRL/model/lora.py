@@ -1,4 +1,4 @@
-"""LoRA and QLoRA over plain `peft` + `bitsandbytes` objects.
+"""LoRA and QLoRA over plain `peft` + `bitsandbytes` objects; every function takes and returns plain modules.
 
     model = apply_lora(model, r=16, alpha=32)             # PeftModel, only adapters train
     model = load_qlora("Qwen/Qwen2.5-0.5B", r=16)          # 4-bit nf4 base + LoRA
@@ -6,9 +6,6 @@
         ref_logits = model(input_ids).logits
     save_adapter(model, "ckpt/adapter"); model = load_adapter(base, "ckpt/adapter")
     export = merge_for_export(model)                       # plain transformers model, LoRA folded in
-
-Nothing here wraps the training loop: every function takes and returns plain
-`transformers` / `peft` modules.
 """
 
 from __future__ import annotations
@@ -69,9 +66,8 @@ def apply_lora(model: nn.Module, r: int = 16, alpha: float = 32, target_modules:
                dropout: float = 0.0, *, adapter_dtype: torch.dtype | str = "base", **kwargs: Any):
     """Wrap `model` in a `PeftModel` with LoRA adapters; only adapter weights require grad.
 
-    target_modules="all-linear" adapts every linear layer except the output
-    head. Extra kwargs (e.g. `init_lora_weights=False`, `use_rslora=True`,
-    `modules_to_save=[...]`) are passed to `peft.LoraConfig`.
+    target_modules="all-linear" adapts every linear layer except the output head. Extra kwargs (e.g.
+    `init_lora_weights=False`, `use_rslora=True`, `modules_to_save=[...]`) are passed to `peft.LoraConfig`.
 
     adapter_dtype: "base" (default) keeps the adapters in the base model's floating dtype
     (a 4-bit base: its compute dtype), so peft never upcasts a layer's input and keeps that
@@ -152,11 +148,8 @@ def load_qlora(path_or_id: str, r: int = 16, alpha: float = 32, target_modules: 
                **lora_kwargs: Any):
     """QLoRA: load `path_or_id` in 4-bit NF4 (double quantization), prepare it for k-bit training, add LoRA.
 
-    The base weights are frozen 4-bit; the LoRA adapters are in the compute dtype (pass
-    adapter_dtype=torch.float32 in lora_kwargs for float32 ones); the norms that
-    `prepare_model_for_kbit_training` upcasts stay in float32. With QLoRA the
-    base cannot be merged losslessly: sync vLLM through the adapter path.
-    `model_kwargs` go to `AutoModelForCausalLM.from_pretrained` (e.g. device_map).
+    Adapters in the compute dtype (adapter_dtype=torch.float32 in lora_kwargs for float32 ones); the base
+    cannot be merged losslessly (sync vLLM through the adapter). `model_kwargs` go to `from_pretrained`.
     """
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
@@ -175,11 +168,8 @@ def load_qlora(path_or_id: str, r: int = 16, alpha: float = 32, target_modules: 
 
 
 def adapter_disabled(model: nn.Module):
-    """Context manager: inside it a peft model computes with its base weights only.
-
-    This is the reference policy for the KL term: no second model copy. For a
-    model without adapters it is a no-op (the caller then needs its own reference).
-    """
+    """Context manager: inside it a peft model computes with its base weights only (the KL reference, no
+    second copy); a no-op for a model without adapters."""
     if is_peft_model(model):
         return model.disable_adapter()
     return contextlib.nullcontext()
@@ -220,8 +210,7 @@ def merge_for_export(model: nn.Module, *, inplace: bool = False) -> nn.Module:
     """A plain transformers model with the LoRA deltas folded into the base weights.
 
     By default works on a deep copy, so training can continue on `model`.
-    A 4-bit base cannot be merged exactly: load the base in full precision,
-    `load_adapter` it, and merge that.
+    A 4-bit base cannot be merged exactly: load the base in full precision, `load_adapter` it, and merge that.
     """
     if not is_peft_model(model):
         raise ValueError("merge_for_export needs a PeftModel; a plain model needs no merging")

@@ -2,18 +2,10 @@
 
 Legend: B batch (number of rollouts).
 
-A reward reads the final MODEL message of each rollout (`Rollout.last(MessageType.MODEL)`).
-A rollout without one scores the reward's failure value; it never raises. Mismatched
-lengths of `rollouts` and `ground_truths` raise ValueError.
-
-A reward that scores against answers (`needs_ground_truth = True`) refuses a missing one
-before scoring anything, whatever the model wrote: None, a float NaN (pandas' empty cell),
-pandas NA / NaT, a blank string, an empty list, or such a value inside a list of acceptable
-answers (`answers_of`). The text "nan" is an answer like any other.
-
-`Reward` is a convenience base: subclasses implement `score(message, ground_truth)`
-for one rollout. Any callable with the same batched signature works wherever a
-reward is expected (e.g. in `CombinedReward`).
+A reward reads each rollout's final MODEL message; a rollout without one scores the failure value, never
+raises. A reward that needs ground truths refuses a missing one (None, NaN, pandas NA, blank, an empty
+list: `answers_of`) before scoring anything. `Reward` is a convenience base (`score(message, ground_truth,
+rollout)` per rollout); any callable with the batched signature works wherever a reward is expected.
 """
 
 from __future__ import annotations

@@ -5,16 +5,9 @@ Legend: B batch.
     reward = BoxedReward()                          # 1.0 correct, 0.0 otherwise
     rewards = reward(rollouts, ["\\frac{1}{2}", "42"])   # (B,) float32
 
-Equivalence is `reward.math.math_equal`: anti-hacking rules first (hedges, unevaluated
-expressions against a numeric gold, exact integers), then math-verify when installed
-(`uv sync --extra math`, in a worker process with a deadline), else a careful
-normalizer (1/2 == 0.5 == \dfrac12, 1,000 == 1000, units and `x =` stripped).
-
-The answer is every box of the message: one box, or its distinct boxes read together as
-one list (`\boxed{1} and \boxed{-2}` is `1, -2`, as math-verify reads it), so boxing
-two candidates (`\boxed{17} or \boxed{18}`) is a wrong list, not a lucky guess. A ground
-truth may itself be a full solution: its last run of adjacent boxes (as one list) or
-the text after a GSM8K-style `####`. See docs/rewards.md.
+Equivalence is `reward.math.math_equal`. The answer is every box of the message, distinct ones read as one
+list (`\boxed{17} or \boxed{18}` is a wrong list, not a lucky guess); a ground truth may be a full
+solution (its last run of adjacent boxes, or the text after GSM8K's `####`). See docs/rewards.md.
 """
 
 from __future__ import annotations
@@ -44,15 +37,10 @@ def gold_answer(ground_truth: Any) -> str | None:
 class BoxedReward(Reward):
     r"""Score the `\boxed{}` answer of each rollout's final MODEL message against its ground truth.
 
-    The answer is the reply's complete boxes, distinct ones read as one list (as math-verify reads
-    them): boxing a wrong value beside the right one, or an unevaluated expression, earns nothing.
-
-    correct / incorrect / no_answer: the values for a matching box, a wrong box,
-    and no (or an empty) box or no MODEL message at all. `use_math_verify`:
-    None = when installed, True = required, False = normalizer only.
-    A ground truth may be a list of acceptable answers (any match counts); a missing one (None, NaN,
-    blank) is refused for every row before anything is scored (`reward.base.answers_of`).
-    `timeout`: seconds math-verify may spend on one answer (its worker process is killed past it).
+    correct / incorrect / no_answer: the values for a matching box, a wrong box, and no (or an empty) box
+    or no MODEL message. `use_math_verify`: None = when installed, True = required, False = never.
+    A ground truth may be a list of acceptable answers; a missing one is refused before anything is
+    scored (`answers_of`). `timeout`: seconds math-verify may spend on one answer.
     """
 
     name = "boxed"

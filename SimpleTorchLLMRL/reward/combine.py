@@ -4,12 +4,9 @@ Legend: B batch.
 
     reward = CombinedReward([(BoxedReward(), 1.0), (FormatReward.from_tags(["think"]), 0.1)])
     total = reward(rollouts, answers)            # (B,) float32 = 1.0 * boxed + 0.1 * format
-    reward.last_components                       # {"boxed": (B,), "format": (B,)}, unweighted
-    total, parts = reward.compute(rollouts, answers)
+    total, parts = reward.compute(rollouts, answers)   # parts: {"boxed": (B,), "format": (B,)}, unweighted
 
-Components are any callables `fn(rollouts, ground_truths) -> (B,)`; their names
-come from `names=`, else their `.name`, else their `__name__`, made unique with a
-suffix ("boxed", "boxed_1"). The sum is taken in float64, then cast to float32.
+Names come from `names=`, else `.name` / `__name__`, made unique ("boxed", "boxed_1"); summed in float64.
 """
 
 from __future__ import annotations
@@ -24,10 +21,6 @@ from SimpleTorchLLMRL.chat.message import Rollout
 from SimpleTorchLLMRL.reward.base import check_batch
 
 RewardFn = Callable[[Sequence[Rollout], Sequence[Any] | None], torch.Tensor]
-
-
-def _component_name(fn) -> str:
-    return str(getattr(fn, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__)
 
 
 class CombinedReward:
@@ -54,7 +47,7 @@ class CombinedReward:
         else:
             names, seen = [], {}
             for fn, _ in rewards:
-                base = _component_name(fn)
+                base = str(getattr(fn, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__)
                 k = seen.get(base, 0)
                 seen[base] = k + 1
                 names.append(base if k == 0 else f"{base}_{k}")

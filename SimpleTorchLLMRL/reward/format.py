@@ -6,12 +6,9 @@ Legend: B batch.
     FormatReward.from_tags(["think", "answer"])                    # the same as a tag schema
     FormatReward.from_tags(["think", "answer"], partial=True)      # 1/3 per well-formed tag
 
-A tag schema asks for each `<tag>...</tag>` exactly once, in the given order,
-with only whitespace between and around them (`strict=True`) or anything
-around them (`strict=False`). With `partial=True` a message that fails the schema
-still earns 1/(n+1) of the way from `incorrect` to `correct` for each of the n tags
-that appears exactly once as an open/close pair (whatever the order); only a full
-match earns `correct`.
+A tag schema asks for each `<tag>...</tag>` once, in order, with only whitespace around (`strict=True`) or
+anything (`strict=False`). `partial=True` pays 1/(n+1) of the way to `correct` per tag that appears once
+as an open/close pair; only a full match pays `correct`.
 """
 
 from __future__ import annotations

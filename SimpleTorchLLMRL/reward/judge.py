@@ -7,19 +7,8 @@ Legend: B batch.
     judge = JudgeReward(judge_generator, rubric)          # a local ModelGenerate
     rewards = judge(rollouts, answers)                    # (B,) float32; judge.last: what happened
 
-The judge reads the rubric, the question, the reference answer (when given) and the response, and
-must end its reply with exactly one line `VERDICT: <integer 0..max_score>`; the reward is that score
-over `max_score`. Parsing is strict: no verdict line, two of them (a judge echoing a response that
-plants its own), a line after it or a score out of range is unparseable: it pays 0 and is counted
-(`last["unparsed"]`). A judge that fails (HTTP error, timeout, an exception) pays 0 and is counted
-too (`last["errors"]`): the reward never raises for what the judge did.
-
-Pairwise (`pairwise=True`): each response is compared with its row's reference (the ground truth)
-twice, once as A and once as B, and the verdicts `VERDICT: A | B | TIE` pay 1 / 0 / 0.5 to the
-response, averaged over both orders: a judge that always prefers position A pays 0.5, as a tie.
-
-Verdicts are cached by the exact judge prompt (a repeated response in a GRPO group is judged once);
-the calls of one batch go out together (`batch_size` at a time).
+The reply must end with exactly one line `VERDICT: <integer 0..max_score>` (or `A | B | TIE` with
+`pairwise=True`, asked in both orders); anything else, or a failing judge, pays 0 and is counted in `last`.
 """
 
 from __future__ import annotations

@@ -7,10 +7,8 @@ Legend: B batch, L response length (tokens unless `unit="chars"`).
     OverlongPenalty(max_length=4096, cache_length=512)          # DAPO, eq. 13
         0 for L <= 3584; (3584 - L) / 512 for 3584 < L <= 4096; -1 for L > 4096.
 
-L is the final MODEL message's length (`scope="last"`) or the sum over all MODEL
-messages (`scope="all"`, for multi-turn rollouts). Tokens are the message's sampled
-`token_ids` when it has them, else `tokenizer(content)`; without either the reward
-raises ValueError rather than silently counting something else.
+L is the final MODEL message's length (`scope="last"`) or the sum over all of them (`scope="all"`):
+its sampled `token_ids`, else `tokenizer(content)`, else a ValueError.
 """
 
 from __future__ import annotations
@@ -27,12 +25,8 @@ UNITS = ("tokens", "chars")
 
 
 def overlong_penalty(lengths, max_length: int, cache_length: int, penalty: float = 1.0) -> torch.Tensor:
-    """DAPO's soft overlong punishment (eq. 13), the one implementation: lengths (B,) -> (B,) float32.
-
-    0 while L <= max_length - cache_length, then linear to -penalty at max_length, and -penalty
-    beyond. L is the response length in generated tokens (what `max_new_tokens` caps; the
-    `OverlongPenalty` reward counts it per rollout, `GRPO.overlong_penalty` calls that reward).
-    """
+    """DAPO's soft overlong punishment (eq. 13, see `OverlongPenalty`), the one implementation: lengths (B,)
+    -> (B,) float32."""
     if cache_length < 0 or cache_length > max_length:
         raise ValueError(f"overlong cache_length must be in [0, max_length={max_length}], got {cache_length}")
     L = torch.as_tensor(lengths).to(torch.float32)

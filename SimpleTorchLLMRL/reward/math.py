@@ -1,18 +1,15 @@
 r"""Math answers: extract `\boxed{...}`, normalize, and decide equivalence.
 
-`math_equal(pred, gold)` is True when the two answers are equivalent. In order:
-`answer_rule` (anti-hacking rules, the same with or without math-verify: hedges like
-`17 or 18` score nothing, and against a numeric gold the answer must be a number
-written as a result, compared exactly); then the optional `math-verify` package
-(`uv sync --extra math`), whose verdict is final when it gives one (it runs in worker
-processes with a deadline: `math_verify_pool`); then a careful normalizer:
+`math_equal(pred, gold)`: the anti-hacking rules first (`answer_rule`: hedges like `17 or 18` score nothing;
+against a numeric gold the answer must be a number, compared exactly), then `math-verify` when installed
+(final when it gives a verdict; in worker processes with a deadline), then a careful normalizer:
 
     1/2 == 0.5 == \frac{1}{2} == \dfrac12 == \cfrac{1}{2} == \left(\frac12\right)   3.0 == 3 == +3
     "1,000" == 1000 == 1{,}000 ("32, 349" is a list)   5\text{ cm} == 5\textnormal{ cm} == 5 cm == 5
     x = 3 == 3     90^\circ == 90     50\% == $50$ % == 50     $-2$ == -2 (unicode minus)
     (1, \frac{1}{2}) == (1,0.5)   (elementwise; brackets must match: (1,2] != (1,2))
 
-It does no algebra: 2\sqrt{2} vs \sqrt{8} needs math-verify. See docs/rewards.md.
+It does no algebra (2\sqrt{2} vs \sqrt{8} needs math-verify). See docs/rewards.md.
 """
 
 from __future__ import annotations
@@ -43,11 +40,6 @@ def _brace_pairs(text: str) -> dict[int, int]:
             pairs[stack.pop()] = i
         i += 1
     return pairs
-
-
-def _match_brace(text: str, open_at: int) -> int | None:
-    """Index of the `}` closing the `{` at `open_at`; None if unbalanced."""
-    return _brace_pairs(text).get(open_at)
 
 
 def extract_boxed(text: str | None) -> str | None:
@@ -203,10 +195,9 @@ def _fix_fracs(s: str) -> str:
 def normalize_math(answer) -> str:
     r"""A canonical string for a math answer (no algebra; see the module docstring).
 
-    Unicode NFKC, math delimiters, spacing and sizing commands, `\dfrac`/`\tfrac`,
-    degrees, percent and dollar signs, trailing `\text{}` units, a leading
-    `x =`, thousands separators, whitespace, a trailing period and a redundant
-    outer pair of braces are removed; text-only answers are lower-cased.
+    Unicode NFKC, math delimiters, spacing and sizing commands, `\dfrac`/`\tfrac`, degrees, percent and dollar
+    signs, trailing `\text{}` units, a leading `x =`, thousands separators, whitespace, a trailing period and
+    a redundant outer pair of braces are removed; text-only answers are lower-cased.
     """
     s = unicodedata.normalize("NFKC", str(answer)).translate(_UNICODE)
     s = _strip_delimiters(s.replace("\n", " "))
@@ -235,7 +226,7 @@ def normalize_math(answer) -> str:
     s = re.sub(r"\s+", "", s)
     s = _fix_fracs(s)
     for _ in range(3):  # "{7}" -> "7", "(\frac{1}{3})" -> "\frac{1}{3}" (bounded: each check is a linear scan)
-        if s.startswith("{") and s.endswith("}") and _match_brace(s, 0) == len(s) - 1:
+        if s.startswith("{") and s.endswith("}") and _brace_pairs(s).get(0) == len(s) - 1:
             s = s[1:-1]
         elif s.startswith("(") and s.endswith(")") and _single_group(s):
             s = s[1:-1]
@@ -272,11 +263,10 @@ def too_costly(answer: str) -> bool:
 def answer_rule(pred: str, gold: str, rel_tol: float = 1e-9) -> bool | None:
     r"""The verdict of the anti-hacking rules, or None when they leave it to the comparison.
 
-    False: the answer hedges (`17 or 18`, `5 is not the answer`), or the gold is a number
-    (or a list of numbers) and the answer is not written as one: `645 \times 49`,
-    `\sqrt{4}`, `\frac{4}{2}` restate a question rather than answer it. Numbers against
-    numbers are decided here, exactly (integers never within a tolerance), the same way
-    with and without math-verify.
+    False: the answer hedges (`17 or 18`, `5 is not the answer`), or the gold is a number (or a list of
+    numbers) and the answer is not written as one: `645 \times 49`, `\sqrt{4}`, `\frac{4}{2}` restate a
+    question rather than answer it. Numbers against numbers are decided here, exactly (integers never within a
+    tolerance), the same way with and without math-verify.
     """
     if hedge_words(pred, gold):
         return False

@@ -1,15 +1,10 @@
 r"""math-verify in child processes, so that every verdict has a deadline on any thread.
 
-math-verify bounds its own work with SIGALRM, which works only on the main thread;
-some answers (`9^{9^{9}}`) spend minutes inside one C-level integer operation that no
-signal interrupts anyway. Here each question goes to a child process
-(`math_verify_worker.py`, stdlib + math-verify only, no torch) and the caller waits at
-most `timeout` seconds for the answer; a child that overruns is killed and replaced.
-
     ask_math_verify(gold, pred, timeout=5.0)  -> True | False | None   (None: no verdict)
 
-Workers are reused (one per concurrent caller, started on demand); a fresh one needs
-a few seconds to import math-verify, bounded by STARTUP_TIMEOUT_S. POSIX only (select on pipes).
+math-verify's own SIGALRM works only on the main thread, and some answers (`9^{9^{9}}`) spend minutes in
+one C-level operation no signal interrupts. So each question goes to a reused child process
+(`math_verify_worker.py`, no torch); one that overruns `timeout` is killed and replaced. POSIX only.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 r"""The child process behind `math_verify_pool`: math-verify's verdicts, one JSON line per question.
 
-Run as a script (`python -P this_file.py`), never imported by the library: it uses only
-the standard library and math-verify, so it starts without torch. Protocol, one line each:
+Run as a script (`python -P this_file.py`; standard library and math-verify only). First line written:
+{"ready": true}; then per question, on its own main thread (so math-verify's SIGALRM timeouts work):
 
     parent -> child   {"gold": "...", "pred": "...", "timeout": 2.0}
     child  -> parent  {"verdict": true | false | null}      (null: math-verify could not read an answer)
-
-The child runs math-verify on its own main thread, so math-verify's SIGALRM timeouts work
-(`timeout` seconds for each parse and for the comparison); the parent kills the child when
-even that is not enough (a C-level computation that no signal interrupts).
-First line written: {"ready": true}, once math-verify is imported.
 """
 
 import json

@@ -1,16 +1,9 @@
-r"""Numbers and lists of numbers in normalized math answers, compared exactly.
+r"""Numbers and lists of numbers in normalized math answers (`normalize_math`'s output), compared exactly.
 
-Works on strings that `reward.math.normalize_math` produced (no spaces, `\frac{a}{b}`).
-
-- `to_number`: the exact value (a Fraction) of `3`, `-0.5`, `1e3`, `2\times10^{3}`, `\frac{a}{b}`, `a/b`.
-- `literal`: a number as one would write a *result*, or a list of them: an integer, a
-  decimal, scientific notation, or a fraction in lowest terms. `645\times49`, `\sqrt{4}`
-  and `\frac{4}{2}` are unevaluated expressions, not literals.
-- `normalized_equal`: equivalence of two normalized answers, elementwise for lists.
-
-Integers compare exactly (12345678901 != 12345678902); `rel_tol` applies only when
-neither side is an integer (1/3 vs 0.33333333333). A bare list `1, 2` and a set
-`\{1, 2\}` compare as multisets; tuples and intervals in order, brackets included.
+`to_number`: the exact Fraction of `3`, `-0.5`, `1e3`, `2\times10^{3}`, `\frac{a}{b}`, `a/b`. `literal_number`:
+a number written as a *result* (an integer, a decimal, scientific notation, a fraction in lowest terms; not
+`645\times49` or `\frac{4}{2}`). `normalized_equal`: integers exactly, `rel_tol` only when neither side is
+an integer; a bare list and a set `\{1, 2\}` as multisets, tuples and intervals in order, brackets included.
 """
 
 from __future__ import annotations

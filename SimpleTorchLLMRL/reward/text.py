@@ -6,11 +6,8 @@ Legend: B batch.
     f1 = TokenF1(extract=r"<answer>(.*?)</answer>", keep_numbers=True)
     em(rollouts, ["Paris", ["NYC", "New York City"]])        # a list of golds: best match counts
 
-SQuAD normalization (as in the official evaluation script): lower-case, drop
-ASCII punctuation, drop the articles a/an/the, collapse whitespace.
-`keep_numbers=True` keeps what makes a number a number: a sign before a digit
-(`-3`) and a decimal point between digits (`3.14`), so "-3.5" does not become
-"35". Token F1 counts repeated tokens with multiplicity (Counter intersection).
+SQuAD normalization (lower-case, no ASCII punctuation, no a/an/the, one space); `keep_numbers=True` keeps a
+number's sign and decimal point ("-3.5" does not become "35"). Token F1 counts repeated tokens with multiplicity.
 """
 
 from __future__ import annotations

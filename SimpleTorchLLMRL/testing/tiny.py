@@ -68,6 +68,13 @@ LLAMA3_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 
+_STYLES = {  # tiny_tokenizer's special tokens and template per style
+    "chatml": dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML_TEMPLATE),
+    "llama3": dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", pad_token="<|endoftext|>",
+                   chat_template=LLAMA3_TEMPLATE),
+    "plain": dict(bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>"),
+}
+
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "What is 12 + 35? The answer is \\boxed{47}.",
@@ -108,22 +115,10 @@ def tiny_tokenizer(style: str = "chatml", vocab_size: int = 512, padding_side: s
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
+    if style not in _STYLES:
+        raise ValueError(f"tiny_tokenizer style must be 'chatml', 'llama3' or 'plain', got {style!r}")
     backend = Tokenizer.from_str(_bpe_json(vocab_size))
-    common = dict(tokenizer_object=backend, padding_side=padding_side)
-    if style == "chatml":
-        return PreTrainedTokenizerFast(
-            **common, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML_TEMPLATE
-        )
-    if style == "llama3":
-        return PreTrainedTokenizerFast(
-            **common, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", pad_token="<|endoftext|>",
-            chat_template=LLAMA3_TEMPLATE,
-        )
-    if style == "plain":
-        return PreTrainedTokenizerFast(
-            **common, bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>"
-        )
-    raise ValueError(f"tiny_tokenizer style must be 'chatml', 'llama3' or 'plain', got {style!r}")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, padding_side=padding_side, **_STYLES[style])
 
 
 def tiny_model(arch: str = "qwen2", tokenizer=None, *, vocab_size: int | None = None, hidden_size: int = 64,

@@ -1,8 +1,4 @@
-"""`Tool` and the `@tool` decorator: a typed, docstringed function plus its JSON schema.
-
-The schema is the OpenAI function format that `transformers.utils.get_json_schema`
-derives from the type hints and the Google-style docstring, so it is exactly what
-`tokenizer.apply_chat_template(..., tools=[...])` expects:
+"""`Tool` and the `@tool` decorator: a typed function plus the JSON schema `apply_chat_template(tools=)` takes.
 
     @tool
     def add(a: int, b: int) -> int:
@@ -14,24 +10,9 @@ derives from the type hints and the Google-style docstring, so it is exactly wha
         '''
         return a + b
 
-    add.schema["function"]["name"]    # 'add'
-    add(2, 3)                         # 5: calling a tool calls the function
-    add.run({"a": 2, "b": 3})         # '5': checked arguments, result as text
+    add.run({"a": 2, "b": 3})         # '5': checked arguments (ToolArgumentError for the model), result as text
 
-`run` checks the arguments against the schema first and raises `ToolArgumentError`
-with a message meant for the model; `ToolRegistry.execute` turns every failure into
-a TOOL message.
-
-`calculator`, the built-in tool, is a safe arithmetic calculator: the expression's `ast` is
-walked, never `eval`ed. Supported: int and float literals, parentheses, unary + and -, and the
-binary operators + - * / // % **. Everything else (names, calls, attributes, strings,
-comparisons, ^) is refused with a `CalculatorError` that says what was found. Sizes are bounded
-so no expression can take long: the text length, the exponent of **, and the size of every
-intermediate integer (`max_int_bits`).
-
-    evaluate("3 * (4 + 5)")                      # 27
-    evaluate("2 ** 0.5")                         # 1.4142135623730951
-    calculator.run({"expression": "10 / 4"})     # '2.5'  (the Tool)
+`calculator`, the built-in tool, walks the expression's `ast` (never `eval`), with bounded sizes.
 """
 
 from __future__ import annotations
@@ -59,22 +40,12 @@ class ToolArgumentError(ValueError):
     """The arguments of a call do not fit the tool's schema (the message is for the model)."""
 
 
+_NAMES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), ((list, tuple), "array"),
+          (dict, "object"), (type(None), "null"))  # bool before int: True is an int too
+
+
 def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, (list, tuple)):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
+    return next((name for kind, name in _NAMES if isinstance(value, kind)), type(value).__name__)
 
 
 def _fits(value: Any, kind: str) -> bool:

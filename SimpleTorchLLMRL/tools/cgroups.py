@@ -101,24 +101,26 @@ class RunCgroup:
     def remove(self) -> None:
         """rmdir each directory; one still busy (tasks not yet gone) is retried at a later create."""
         for d in self.dirs:
-            try:
-                os.rmdir(d)
-            except FileNotFoundError:
-                pass
-            except OSError:
+            if not _rmdir(d):
                 with _lock:
                     _leftovers.add(d)
+
+
+def _rmdir(directory: str) -> bool:
+    """Remove an empty cgroup directory; False when it is still busy."""
+    try:
+        os.rmdir(directory)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
 
 
 def _retry_leftovers() -> None:
     with _lock:
         pending = list(_leftovers)
     for d in pending:
-        try:
-            os.rmdir(d)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            continue
-        with _lock:
-            _leftovers.discard(d)
+        if _rmdir(d):
+            with _lock:
+                _leftovers.discard(d)

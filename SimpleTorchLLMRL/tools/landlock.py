@@ -1,11 +1,8 @@
 """Linux Landlock (kernel >= 5.13) through raw syscalls: confine a process's writes to one directory.
 
-Used by the python sandbox inside its `preexec_fn`, i.e. in the forked child just
-before `exec`. After `restrict_writes(dir)` the process and everything it starts can
-read the file system as before but create, write, truncate, rename or delete only
-under `dir` (and the `also_writable` directories; and write /dev/null); with ABI >= 4 it cannot bind or connect TCP
-sockets, and with ABI >= 6 it cannot signal processes outside its own domain.
-Unprivileged, irreversible, inherited by children. No-op where Landlock is missing.
+After `restrict_writes(dir)` (in the sandbox's forked child, before `exec`) the process and its children
+write only under `dir` (and `also_writable`, and /dev/null); ABI >= 4 also forbids TCP bind / connect,
+ABI >= 6 signals outside its domain. Irreversible, inherited; a no-op where Landlock is missing.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """The few Linux syscalls the sandbox launcher needs, through ctypes (Python 3.11 has no os.unshare/os.mount).
 
-Standard library only and no package imports: the launcher loads this file by path
-in a fresh `python -I -S` process. Every call raises OSError (with errno) on failure.
-
-    unshare(NEWUSER | NEWNS | NEWPID)      new namespaces for the caller (PID: for its children)
-    map_ids(uid, gid)                      after NEWUSER: map the caller's own ids, deny setgroups
-    mount / bind_readonly / umount         mount(2), a read-only bind that keeps locked flags
-    pivot_root(".", ".")                   make the current directory the root
-    join_fresh_session_keyring()           keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL)
-    prctl(PR_SET_PDEATHSIG, 9)             and the other prctl options below
-    install_seccomp()                      no kernel keyring, inotify, fanotify or dnotify, no socket families
-                                           beyond unix / inet
+Standard library only: the launcher loads this file by path in a fresh `python -I -S` process. Every call
+raises OSError (with errno) on failure: `unshare`, `map_ids`, `mount` / `bind_readonly` / `umount`,
+`pivot_root`, `join_fresh_session_keyring`, `prctl`, `install_seccomp` (no kernel keyring, inotify,
+fanotify or dnotify; no socket families beyond unix / inet).
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Find tool calls in model text. Each format is a small parser with `parse(text) -> list[ToolCall]`.
 
     JsonToolCallParser    <tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>
-                          (Hermes / Qwen style; several objects or a JSON list per block are allowed)
     TagToolCallParser     <calculator>2+3</calculator>, <search>who wrote Hamlet</search>
     CodeBlockParser       ```python\\nprint(2+3)\\n```
 
-Parsers never raise on model text: a call they recognise but cannot read (bad JSON,
-no name, arguments that are not an object) comes back as a `ToolCall` with `error`
-set, so the registry can tell the model what went wrong. `parse_tool_calls` runs
-several parsers and returns their calls in text order, dropping a call that lies
-inside another one (e.g. a <tool_call> written inside a python block).
+Parsers never raise on model text: a call they cannot read comes back with `error` set. `parse_tool_calls`
+runs several and returns their calls in text order, dropping a call inside another one.
 """
 
 from __future__ import annotations
@@ -201,11 +197,10 @@ class LastClosedBlock:
         tracker = LastClosedBlock(CodeBlockParser())
         tracker.code_at_end(text)   # the block's code when it ends `text` (whitespace aside), else None
 
-    Each call scans only what was appended since the previous call (a text that is not
-    an extension of the previous one is scanned from the start), so calling it at
-    every step of a growing generation costs time linear in the final length. An
-    opener's match ends at the first newline after it, so an opener search that failed
-    is final for every start before the text's last newline.
+    Each call scans only what was appended since the previous call (a text that is not an extension of the
+    previous one is scanned from the start), so calling it at every step of a growing generation costs time
+    linear in the final length. An opener's match ends at the first newline after it, so an opener search that
+    failed is final for every start before the text's last newline.
     """
 
     def __init__(self, parser: CodeBlockParser):

@@ -5,12 +5,9 @@
     calls = registry.parse(model_message)          # list[ToolCall]
     tool_messages = registry.execute(calls)        # list[Message], type TOOL, name = tool name
 
-`execute` never raises for anything a model can write: malformed JSON, an unknown
-tool, wrong argument types, a tool that raises, a tool that runs past its timeout
-all become TOOL messages that say what went wrong, so the episode continues.
-Calls run concurrently, one daemon thread each. A timed-out call is abandoned, not
-killed (Python threads cannot be); tools that may hang for good should run their
-work in a process, as the python sandbox does.
+`execute` never raises for what a model can write: every failure (bad JSON, unknown tool, wrong arguments, a
+raising or timed-out tool) is a TOOL message saying so. Calls run concurrently, one daemon thread each; a
+timed-out call is abandoned, not killed (tools that may hang for good run in a process, as the sandbox does).
 """
 
 from __future__ import annotations
@@ -48,12 +45,6 @@ class ToolResult:
 
     def to_message(self) -> Message:
         return Message(self.content, MessageType.TOOL, name=self.name)
-
-
-def _truncate(text: str, limit: int) -> str:
-    if len(text) <= limit:
-        return text
-    return text[:limit] + f"\n[... {len(text) - limit} more characters truncated]"
 
 
 class ToolRegistry:
@@ -195,7 +186,9 @@ class ToolRegistry:
             content, ok = f"Error: tool {t.name!r} raised {type(e).__name__}: {e}", False
         if not isinstance(content, str):
             content = str(content)
-        content = _truncate(content, self.max_output_chars)
+        limit = self.max_output_chars
+        if len(content) > limit:
+            content = content[:limit] + f"\n[... {len(content) - limit} more characters truncated]"
         results[i] = ToolResult(t.name, content, ok, seconds=time.monotonic() - start)
 
     def execute(self, calls: Sequence[ToolCall]) -> list[Message]:

@@ -3,32 +3,11 @@
     box = PythonSandbox(timeout=5)
     result = box.run("print(sum(range(10)))")
     result.stdout, result.exit_code, result.timed_out, result.truncated   # '45\\n', 0, False, False
-    result.to_text()                                                    # what the model is shown
     python = python_tool(box)                                           # the same as a Tool
 
-How the code is confined (docs/sandbox.md has the table of guarantees and the attacks
-that measure them):
-
-- isolation="namespaces" (the default wherever the kernel allows it, as root or through an
-  unprivileged user namespace): each run gets its own PID, mount, IPC, UTS and network
-  namespaces, and a cgroup namespace rooted at its own cgroup (/proc/self/cgroup reads "/", not
-  the host's path; Linux >= 4.6). Its first process is the namespace's init: when the program
-  ends or the timeout strikes, the kernel kills every process of the run, wherever it hid. The run sees
-  a new root: read-only system directories and interpreter, a fresh /proc, an empty
-  working directory on a size-limited tmpfs, nothing else (no /root, /home, /tmp or
-  project files). As root, a cgroup puts one memory and one process limit on the whole tree.
-- isolation="process" (the fallback, with a warning, where namespaces are unavailable):
-  resource limits per process, the process group and (as root) the run's fresh uid killed
-  afterwards; weaker: see docs/sandbox.md.
-- Always: the code arrives on stdin as a sealed read-only memfd (never in argv, not on the host disk), `python -I`, a
-  scrubbed environment, rlimits (CPU, address space, file size, processes, open files, no
-  core), a fresh session keyring, no_new_privs, a seccomp filter (x86-64, aarch64: no kernel
-  keyring, inotify, fanotify or dnotify (fcntl F_NOTIFY; other fcntl commands pass), sockets of
-  AF_UNIX / AF_INET / AF_INET6 only), Landlock where the kernel has it (writes only in the working
-  directory, no TCP, no signals out), a wall-clock timeout, output read with a cap, and a clean-up
-  that never waits on the program.
-- As root the program runs as an unprivileged uid: a fresh one per run (run_as="auto") or
-  `run_as`. `run_as=None` as root keeps root, and then nothing is contained.
+isolation="namespaces" (the default where allowed: own namespaces and root, one init that takes the whole run
+with it) or "process" (the fallback, with a warning); always rlimits, seccomp, Landlock where present, an
+unprivileged uid as root, a wall-clock timeout. docs/sandbox.md has the guarantees and the attacks.
 """
 
 from __future__ import annotations
@@ -108,16 +87,13 @@ class PythonSandbox:
 
     timeout:          wall-clock seconds before the whole run is killed
     cpu_seconds:      CPU-time limit per process (default: ceil(timeout) + 1)
-    memory_mb:        address-space limit per process (RLIMIT_AS); as root with a usable cgroup also the
-                      limit of the whole run (processes, and files in its tmpfs); the size of that tmpfs
+    memory_mb:        address-space limit per process (RLIMIT_AS); as root with a cgroup, of the whole run
     file_size_mb:     largest file the code may write (RLIMIT_FSIZE)
     max_processes:    processes and threads of the run (RLIMIT_NPROC of its uid; as root also a cgroup)
     max_open_files:   RLIMIT_NOFILE
     max_output_bytes: bytes kept of stdout and of stderr each
-    run_as:           "auto" (as root: a fresh unprivileged uid per run), a uid, or None (never drop); runs
-                      that share a uid (a fixed one) run one at a time on this machine
-    python:           the interpreter (default sys.executable, made visible to the run read-only; when the
-                      run's uid still cannot start it, the first usable system python3, with a warning)
+    run_as:           "auto" (as root: a fresh unprivileged uid per run), a uid, or None (never drop)
+    python:           the interpreter (default sys.executable; else the first system python3 the run can start)
     confine_writes:   use Landlock, where available, to allow writes only in the working directory
     allow_network:    keep the caller's network (no network namespace; no Landlock TCP rule)
     isolation:        "auto" (namespaces where the kernel allows, else "process" with a warning),

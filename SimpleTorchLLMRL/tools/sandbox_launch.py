@@ -1,24 +1,16 @@
 """The sandbox launcher: PythonSandbox runs `python -I -S sandbox_launch.py KEY=VALUE ...` with the code on stdin.
 
 Standard library only; linux.py and landlock.py are loaded from this directory by path.
-Its arguments carry no secrets (the code arrives on stdin as a sealed, read-only memfd).
 
 isolation=namespaces, three stages:
-  A  (the caller's child, in the caller's PID namespace): new mount, PID, IPC, UTS and network
-     namespaces (plus a user namespace when not root), every mount made private; forks B, reports
-     B's pid, waits for B without reaping it (so B's pid stays valid for the caller to kill),
-     then waits to be killed.
-  B  (PID 1 of the new PID namespace): joins the run's cgroup, then a new cgroup namespace rooted
-     there (where the kernel has them), builds a new root on a tmpfs
-     (read-only binds of the system directories and of the interpreter, a fresh /proc, a few
-     /dev nodes, an empty working directory), pivots into it and forks C. When C ends, B reports
-     C's wait status and exits: the kernel then kills everything left in the namespace.
-  C  a fresh session keyring, resource limits, the run's uid, no_new_privs, Landlock, then
-     exec `python -I -` (the program, read from stdin).
-isolation=process: C's steps only, then exec (the caller chases the processes afterwards).
+  A  (the caller's child): new mount, PID, IPC, UTS, network (and, not root, user) namespaces; forks B,
+     reports B's pid, waits for B without reaping it, then waits to be killed.
+  B  (PID 1 of the new PID namespace): joins the run's cgroup and a cgroup namespace, builds a new root
+     on a tmpfs, pivots into it and forks C; reports C's wait status and exits (the kernel kills the rest).
+  C  a fresh session keyring, rlimits, the run's uid, no_new_privs, Landlock, then exec `python -I -`.
+isolation=process: C's steps only, then exec.
 
-Lines on the control pipe: "pid N", "exit STATUS", "unsupported WHY" (namespaces cannot be
-set up here), "error WHY".
+Lines on the control pipe: "pid N", "exit STATUS", "unsupported WHY", "error WHY".
 """
 
 import fcntl

@@ -4,11 +4,8 @@
     outcome = watch(launch, timeout, max_bytes)   # output, the program's wait status, timed out?
     finish(launch, outcome)                       # kill, reap (never blocking), remove what it left
 
-Two isolations (see sandbox_launch.py): "namespaces", where the run's PID 1 dies with the
-program and takes every process of the run with it, and "process", the fallback, where
-the program's process group and (with a fresh uid) that uid's processes are killed.
-Nothing here raises for what the program does; `finish` never waits longer than
-`_REAP_SECONDS` for a process (a stuck one is reaped by a background thread).
+Nothing here raises for what the program does; `finish` never waits longer than `_REAP_SECONDS` for a
+process (a stuck one is reaped by a background thread).
 """
 
 from __future__ import annotations

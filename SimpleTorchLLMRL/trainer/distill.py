@@ -6,11 +6,9 @@ Legend: B rollouts, T tokens, N trained tokens, n of a chunk, H hidden size, V v
     loss = distill.calculate_loss(rollouts)                           # reverse KL to the teacher
     loss = distill.calculate_loss(rollouts, rewards)                  # ... plus a GRPO advantage
 
-`distill_loss`: A_t = -kl_coef (log p_student(y_t) - log p_teacher(y_t)) (+ an RL advantage), constant,
-in the policy-gradient loss -A_t r_t (or PPO-clipped); its expected gradient is that of KL(student ||
-teacher) (GKD; `tests/trainer/test_distill.py` checks it exactly). `jsd_loss`: GKD's generalized JSD over full
-distributions in TRL's `beta` convention, chunk by chunk under checkpoint, never (B, T, V). Where the
-teacher's log-probs come from: `trainer.teacher`.
+`distill_loss`: the reverse KL as a constant advantage in the policy-gradient loss (GKD); `jsd_loss`: GKD's
+generalized JSD over full distributions, chunk by chunk, never (B, T, V). The math and the test of its
+gradient: docs/losses.md, "Distillation"; where the teacher's log-probs come from: `trainer.teacher`.
 """
 
 from __future__ import annotations
@@ -86,7 +84,8 @@ class DistillConfig:
 
 
 def distill_loss(inputs: L.LossInputs, config: DistillConfig) -> L.LossOutput:
-    """The reverse-KL-as-advantage policy-gradient loss of the trained tokens (module docstring).
+    """The reverse-KL-as-advantage policy-gradient loss of the trained tokens: the constant
+    A_t = -kl_coef (log p_student(y_t) - log p_teacher(y_t)) (+ an RL advantage) in -A_t r_t (or PPO-clipped).
 
     Reads logprobs, teacher_logprobs, old / sampler log-probs (the sampling policy: the ratio's
     denominator and the student term of the advantage), advantages (an RL advantage, added)."""

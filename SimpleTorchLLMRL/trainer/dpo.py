@@ -6,17 +6,8 @@ chosen rollout, row 2i + 1 its rejected one (a micro-batch of an even number of 
     dpo = DPO(model, tokenizer, ref_model=frozen_copy, beta=0.1)   # a peft model: no ref_model, adapter off
     loss = dpo.calculate_loss(chosen, rejected)                     # lists of P rollouts each
 
-With h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r)), sequence log-probs summed over the
-trained tokens, and e = label_smoothing, the variants of TRL's `DPOTrainer` (`loss_type`):
-
-    "sigmoid"  -log sigmoid(beta h)                                          DPO (Rafailov et al. 2023);
-               e > 0: -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h)   cDPO (Mitchell 2023; TRL 1.16's
-                                                                              "sigmoid" ignores label_smoothing)
-    "robust"   (-(1 - e) log sigmoid(beta h) + e log sigmoid(-beta h)) / (1 - 2e)   rDPO (Chowdhury et al. 2024)
-    "ipo"      (h - 1 / (2 beta))^2, log-probs averaged over each sequence's tokens   IPO (Azar et al. 2023)
-
-A pair must render the same prompt ids (messages before the first MODEL turn, with the rollout's tools
-and template arguments): `interleave` checks it.
+The variants of TRL's `DPOTrainer` ("sigmoid" DPO / cDPO, "robust" rDPO, "ipo" IPO), with their formulas and
+sources: docs/losses.md, "DPO".
 """
 
 from __future__ import annotations

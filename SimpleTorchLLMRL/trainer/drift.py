@@ -2,21 +2,11 @@
 
 Legend: B rollouts, T tokens.
 
-The generator records the log-prob of every token it samples; the trainer
-recomputes it. With the same weights and temperature they agree up to numerics,
-so a gap says something differs between sampling and training: another backend
-(vLLM vs HF, bf16 kernels), stale weights, or a context that was re-rendered.
-`logprob_drift` reports |d| = |recomputed - sampled| per message, and summed over
-roles and agent names: mean and max |d|, and the share of tokens whose ratio
-exp(d) lies outside [1 - band, 1 + band]. `report.worst()` names the turns to look at.
-
-    for micro in prepared.split(4):
-        out = grpo.compute(micro)
-        out.loss.backward()
-        parts.append((micro.batch, out.token_logprobs))      # (B, T) recomputed, NaN where not
-    report = logprob_drift(rollouts, parts)
-    print(report)                  # per role / agent, then the worst messages
-    logger.log(step, report.summary(), prefix="drift/")
+With the same weights and temperature the sampled and recomputed log-probs agree up to numerics, so a gap
+says something differs between sampling and training (backend, stale weights, a re-rendered context).
+`logprob_drift` reports |d| = |recomputed - sampled| per message, role and agent: mean and max |d| and the
+share of tokens whose ratio exp(d) lies outside [1 - band, 1 + band]; `report.worst()` names the turns to
+look at. Usage: docs/masks_and_templates.md, "Which turn drifts?".
 """
 
 from __future__ import annotations

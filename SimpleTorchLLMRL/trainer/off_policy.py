@@ -8,14 +8,9 @@ Pure tensor math, no host sync. With a correction on, the ratio's old policy is 
     level  "token" rho_t | "sequence" prod_t rho_t | "geometric" exp(mean_t log rho_t) | None: no ratio
     mode   "truncate" clamp(rho, low, high) | "mask" rho on [low, high], else 0 | "reject" 1 there, else 0
 
-(low None: 0 for "truncate", 1 / high otherwise). kl_threshold = delta adds the DeepSeek-V3.2 mask:
-weight 0 for a rollout with a negative advantage whose mean_t (log pi_sampler - log pi_theta) > delta
-(pi_theta: the current policy, detached). Masked tokens keep their place in the aggregate's
-denominator (TRL, DeepSeek-V3.2; verl's rejection removes them from its response mask instead).
-Sources (formulas re-derived): truncated IS (Yao et al. 2025; verl `rollout_is`, TRL
-`vllm_importance_sampling_mode`), masked IS (TRL "*_mask"; IcePop, Ring-1T), rejection at token /
-sequence / geometric level (verl `rollout_rs`), DeepSeek-V3.2's off-policy sequence masking. The
-mismatch diagnostics, reported with or without a correction, are `losses.mismatch_metrics`.
+(low None: 0 for "truncate", 1 / high otherwise). kl_threshold = delta: DeepSeek-V3.2's sequence mask.
+Masked tokens keep their place in the aggregate's denominator. Sources: docs/losses.md, "Off-policy
+correction"; the mismatch diagnostics are `losses.mismatch_metrics`.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Where a distillation teacher's log-probs of the student's sampled tokens come from; each source checked.
 
 Legend: B rollouts, T tokens; every tensor is (B, T), aligned with the student's input_ids, holding the
-teacher's log p(input_ids[:, t] | input_ids[:, :t]) on the trained tokens, 0 elsewhere. Sources:
-
-- an HF model: `hf_teacher_logprobs`, the chunked head the trainer uses, under `torch.no_grad`;
-- a vLLM engine: `vllm_teacher_logprobs`, one prefill per rollout with `prompt_logprobs=0` (from the
-  untempered logits: temperature 1 only). The engine only scores, so this module imports `vllm`
-  itself, never the library's generation package (the trainer never imports it: `tests/project/test_layout.py`);
-- precomputed: `rollout_teacher_logprobs` reads `rollout.metadata["teacher_logprobs"]` (one entry per
-  message: None, or that message's tokens' log-probs; plain JSON, it survives rollout files);
-  `attach_teacher_logprobs` writes it.
-
-Every source's values go through `check_teacher_values` (finite and <= 0, else a ValueError naming
-the rollout, message and position). A teacher must share the student's tokenizer: it scores the
-student's ids, so `check_teacher_tokenizer` refuses one that encodes the rollouts to other ids or
-maps them to other tokens (cross-tokenizer alignment, as ULD / GOLD, is not done here).
+teacher's log p(input_ids[:, t] | input_ids[:, :t]) on the trained tokens, 0 elsewhere. Sources: an HF
+model (`hf_teacher_logprobs`), a vLLM engine (`vllm_teacher_logprobs`: this module imports `vllm` itself,
+never the library's generation package), precomputed (`rollout_teacher_logprobs`, written by
+`attach_teacher_logprobs`). Every value passes `check_teacher_values`, and the teacher's tokenizer
+`check_teacher_tokenizer` (docs/losses.md, "Distillation").
 """
 
 from __future__ import annotations

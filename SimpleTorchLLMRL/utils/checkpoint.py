@@ -8,20 +8,7 @@ A checkpoint directory `step-000123/` holds:
     extra.pt            more state the caller adds (a critic, a second optimizer), when given
     MANIFEST.json       size and sha256 of every file above, written last
 
-`latest_checkpoint` returns the newest directory whose manifest verifies; a
-corrupt or partial one is skipped with a warning, never loaded.
-
-`save_pretrained_atomic` writes a `save_pretrained` directory (model or adapter,
-and the tokenizer) the same way: complete under its name, or not there at all.
-
-Temporary folders `.tmp-step-NNNNNN-PID-XXXXXX/` are locked (flock) by their writer for as long as
-it writes; a save removes only those whose lock it can take (their writer is gone), so a second
-writer in the same directory never deletes a save in flight. On a filesystem without flock
-nothing is removed.
-
-Errors name the problem in one line (`CheckpointError`, an `OSError`): a checkpoint directory that
-is a dangling symlink, not a directory or unreadable, and a full disk ("no space left on device
-writing PATH", errno ENOSPC), after which the partial folder is removed.
+A corrupt or partial one is never loaded. Errors are one-line `CheckpointError`s (a full disk: ENOSPC).
 """
 
 from __future__ import annotations
@@ -98,13 +85,9 @@ def _load_model_state(model, state: dict[str, torch.Tensor]) -> None:
         except RuntimeError as e:  # "size mismatch for ...": another architecture's weights
             detail = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), str(e))
             raise ValueError(f"checkpoint does not fit the model: {detail}") from e
-        if unexpected or [k for k in missing if k not in _tied_keys(model)]:
+        tied = set(getattr(model, "_tied_weights_keys", None) or ())  # a list, or a dict of tied names
+        if unexpected or [k for k in missing if k not in tied]:
             raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
-
-
-def _tied_keys(model) -> set[str]:
-    keys = getattr(model, "_tied_weights_keys", None) or {}
-    return set(keys if not isinstance(keys, dict) else keys.keys())
 
 
 def rng_state() -> dict[str, Any]:
@@ -342,9 +325,8 @@ def save_pretrained_atomic(model, tokenizer, path: str | os.PathLike) -> str:
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
+    fd = _open_dir(path)
+    if fd is None:
         return
     try:
         os.fsync(fd)

@@ -3,14 +3,10 @@
     rows = read_jsonl("out/metrics.jsonl")                   # records, torn lines dropped with a warning
     for line_no, record in jsonl_records(text, "data.jsonl", torn_tail="error"): ...
 
-A torn line is what a writer stopped mid-line (killed, or cut by a full disk) leaves:
-- the last line, without its newline, that does not parse (or is not UTF-8); or
-- a line that is the beginning of a JSON document cut short (`cut_short`; its bytes may
-  end inside a UTF-8 character) followed by more lines: a later writer that found the
-  torn tail started on a new line after it (`chat.rollout_io.RolloutWriter` does).
-Any other line that does not parse (or is not UTF-8) is an error naming the source and the
-line; blank lines are skipped. Given bytes, each line is decoded (UTF-8) on its own, so a
-line torn inside a multi-byte character costs only that line.
+A torn line is what a writer stopped mid-line leaves: the last line without its newline that does not
+parse (or is not UTF-8), or a line that is a JSON document cut short (`cut_short`) followed by more lines
+(a later writer started on a new line after it). Any other bad line is an error naming the source and the
+line; blank lines are skipped. Given bytes, each line is decoded on its own.
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@
     logger.close()
     rows = read_metrics(output_dir / "metrics.jsonl")
 
-wandb is imported only when asked for; without a login it runs offline, so a
-run never blocks on the network.
+wandb is imported only when asked for; without a login it runs offline, so a run never blocks on the network.
 """
 
 from __future__ import annotations
@@ -65,10 +64,7 @@ class MetricsLogger:
                 self._file.write("\n")
         self._wandb_run = None
         if use_wandb:
-            try:
-                import wandb
-            except ImportError as e:  # pragma: no cover - wandb is a runtime dependency
-                raise ImportError("wandb logging needs the wandb package: uv sync") from e
+            import wandb
             mode = wandb_mode or os.environ.get("WANDB_MODE") or ("online" if _has_wandb_login() else "offline")
             same_run = {"id": run_id, "resume": "allow"} if run_id else {}
             self._wandb_run = wandb.init(project=project, name=run_name, config=dict(config or {}), mode=mode,
@@ -109,12 +105,9 @@ class MetricsLogger:
 
 
 def _write_console(line: str) -> None:
-    try:
-        from tqdm import tqdm
+    from tqdm import tqdm  # a dependency: console lines do not break its progress bars
 
-        tqdm.write(line)
-    except ImportError:  # pragma: no cover
-        print(line, flush=True)
+    tqdm.write(line)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -2,11 +2,7 @@
 
     seed_everything(0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_constant(10))
-    ...loss.backward()...
-    grad_norm = clipped_step(optimizer, max_grad_norm=1.0)   # raises NonFiniteError, weights untouched
-    scheduler.step()
-
-`main.py`'s calculator recipe and the Router-R1 trainer both step through these.
+    grad_norm = clipped_step(optimizer, max_grad_norm=1.0)   # after backward; NonFiniteError, weights untouched
 """
 
 from __future__ import annotations
@@ -33,19 +29,14 @@ def warmup_constant(warmup_steps: int):
     return lambda s: min(1.0, (s + 1) / (warmup_steps + 1)) if warmup_steps else 1.0
 
 
-def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
 def clipped_step(optimizer: torch.optim.Optimizer, max_grad_norm: float | None = 1.0) -> float:
     """Clip the gradients of `optimizer`'s parameters to `max_grad_norm`, step, zero the gradients.
 
-    Returns the gradient norm before clipping. A NaN/inf gradient norm raises `NonFiniteError`
-    before the step (the weights stay as they were; the gradients are zeroed). Weights that the
-    step made NaN/inf (an infinite learning rate, an overflowing optimizer state) raise it too,
-    so that a loop never checkpoints them.
+    Returns the gradient norm before clipping. A NaN/inf gradient norm raises `NonFiniteError` before the step
+    (the weights stay as they were; the gradients are zeroed). Weights that the step made NaN/inf (an infinite
+    learning rate, an overflowing optimizer state) raise it too, so that a loop never checkpoints them.
     """
-    params = _params(optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     if max_grad_norm is None:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     else:

@@ -10,14 +10,14 @@ import time
 import httpx
 import pytest
 from sum_env import SumEnvironment, make_app
-from tests.grpo_steps import grpo_steps, tiny_policy
-from tests.integration_envs import run_docs_recipe
-from tests.local_server import serve_app
 
 from SimpleTorchLLMRL import collect_rollouts
 from SimpleTorchLLMRL.chat.message import Message, MessageType
 from SimpleTorchLLMRL.env import episode_rewards
 from SimpleTorchLLMRL.integrations.openenv import OpenEnvEnv
+from tests.support.grpo_steps import grpo_steps, tiny_policy
+from tests.support.integration_envs import run_docs_recipe
+from tests.support.local_server import serve_app
 
 
 @pytest.fixture(scope="module")

@@ -30,12 +30,13 @@ def make_rollouts(tokenizer, seed: int = 0):
     from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 
     g = torch.Generator().manual_seed(seed)
-    low = len(tokenizer.all_special_ids)
+    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}  # a decode drops them
+    plain = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
     rollouts = []
     for k in range(GROUPS):
         for _ in range(GROUP):
             n = int(torch.randint(3, 9, (1,), generator=g))
-            ids = torch.randint(low, len(tokenizer), (n,), generator=g).tolist()
+            ids = plain[torch.randint(len(plain), (n,), generator=g)].tolist()
             lps = (-5.7 - 0.8 * torch.rand(n, generator=g)).tolist()  # ratios around 1, some clipped
             r = Rollout([Message(f"What is {k} + {k}?"),
                          Message(tokenizer.decode(ids), MessageType.MODEL, token_ids=ids, logprobs=lps,

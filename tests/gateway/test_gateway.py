@@ -385,6 +385,10 @@ def test_the_command_line_serves_and_writes_its_sessions_on_sigterm(tmp_path):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="cli-1")
         assert client.models.list().data[0].id == "policy"
         r = client.chat.completions.create(model="policy", messages=start(), extra_body={"return_token_ids": True})
+        for path in ("sessions", "sessions/cli-1/finish"):  # without --admin-key: not served, like any other
+            refused = httpx.request("GET" if path == "sessions" else "POST", f"http://127.0.0.1:{port}/v1/{path}",
+                                    headers={"Authorization": "Bearer cli-1"}, timeout=30)
+            assert refused.status_code == 404 and refused.json()["error"]["code"] == "unknown_url"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:

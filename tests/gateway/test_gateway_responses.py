@@ -292,7 +292,7 @@ def test_a_session_keeps_its_latest_links_only():
         assert store.link(f"resp_{i}", session, i)
     assert len(store._links) == len(session.links) == MAX_LINKS
     assert store.linked("resp_9") is None and store.linked(f"resp_{MAX_LINKS + 9}")[1] == MAX_LINKS + 9
-    store.pop("k")
+    store.take(["k"])
     assert store._links == {} and not store.link("resp_x", session, 0)  # a finished session links nothing
 
 

@@ -6,23 +6,7 @@ Legend: B rows, V vocab (the model's logits width, which can exceed len(tokenize
     json_schema_grammar(schema)              a JSON schema (or {"type": "object"}) as EBNF text
     RowMatchers(tokenizer, ebnf, B, eos)     one decode's per-row matchers: `pick(picker, scores)`
 
-A grammar is text in xgrammar's EBNF dialect (GBNF) whose start rule is `root`. It is compiled
-once per (tokenizer, V, grammar): one `GrammarCompiler` per tokenizer and vocabulary size (its own
-cache off), and a bounded cache of compiled grammars beside it (`compiled_grammar`: the last
-MAX_COMPILED, at most MAX_COMPILED_BYTES together, least recently used dropped first); a caller that
-compiles ahead of a call (the gateway, `HFBackend.prepare_grammar`) holds nothing, so memory stays bounded. At every step each row's matcher fills its token bitmask,
-the disallowed tokens' scores become -inf, the row's token is picked from what is left, and the
-matcher accepts it. The matcher's stop tokens are the call's EOS ids: once the grammar is complete
-the mask allows EOS (and whatever could still extend the match); a row whose matcher has accepted
-EOS (terminated) is given EOS again (the loop has finished it, its later tokens are cut).
-
-What is recorded does not change: the log-prob of the picked token is log_softmax(raw scores / T),
-before the mask, the quantity a trainer recomputes from the model. The mask only changes which
-token is drawn (a row's sampling distribution is the tempered one renormalized over the tokens the
-grammar allows), so a message sampled under a grammar carries log-probs that the trainer's
-recomputation reproduces exactly, and the grammar is kept on `SamplingConfig.grammar` to say so.
-
-xgrammar is an optional dependency (the `gateway` extra), imported only when a grammar is used.
+The mask changes which token is drawn, never the recorded log-prob (docs/generation.md).
 """
 
 from __future__ import annotations

@@ -2,29 +2,13 @@
 
 Legend: B rows, L longest prompt, N new tokens, S cache slots (L + N rounded up to SLOT_ROUND), V vocab.
 
-HF `generate` launches every layer's kernels from Python at every step; at 128 rows of a 0.5B model
-the GPU mostly waits for the CPU. Here the prompts are prefilled into a transformers `StaticCache`
-(buffers at fixed addresses); on CUDA the one-token forward is compiled (`torch.compile`, fullgraph,
-which fuses its small kernels) and one decode step is captured once as a CUDA graph and replayed:
-
     tok, logprob, mass = picker.pick(logits)        # (B,) each: the default path's `TokenPicker`, same RNG draws
     ids[:, t], logprobs[:, t] = tok, logprob
     mask[:, :, :, L + t] = True                     # (B, 1, 1, S) bool: slot L + t now holds a token
     logits = model(tok (B, 1), positions (B, 1), mask, cache).logits[:, -1]
 
-On CPU (and with `graphs=False`) the same step runs eagerly, which is how the tests compare it with
-the default path. A row that has ended (EOS id or stop string) keeps decoding until every row has,
-checked every CHECK_EVERY steps, and `cut_sample` cuts it as on the default path, so the kept ids
-are the same: greedy ids, and sampled ids under the same seed (one uniform per row per step, a hash of
-the row's key and the step: `picker.row_uniforms`, the same numbers eagerly and in a graph's replays).
-Log-probs agree up to float summation order: the static cache attends over S masked slots,
-the dynamic one over exactly the tokens so far.
-
-Used for models whose `StaticCache` has only full-attention layers (no sliding-window or hybrid
-layers); `supports_fast_decode` says. One `StaticDecoder` (its cache, compiled forward and graph) is
-kept per model (`DECODERS`, shared by every generator of that model, gone with it; `generator.sleep()`
-frees it), for the last (B, S, adapter, weight tensors) seen: a new one of those builds a new decoder,
-other sampling settings capture a new graph; in-place optimizer steps keep everything valid.
+That step is captured once on CUDA and replayed (eager on CPU). One `StaticDecoder` is kept per model
+(`DECODERS`). docs/generation.md, "Fast decode", says more.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
-"""`ModelGenerate`: batched generation that records what was sampled.
+"""`ModelGenerate`: batched generation that records what was sampled (docs/generation.md).
 
-Legend: B batch (prompts x n samples), L longest prompt, N new tokens, V vocab.
-
-Every MODEL message carries the sampled `token_ids` (EOS / stop token kept),
-their `logprobs` under `softmax(logits / temperature)` *before* top-k/top-p
-truncation, logit_bias and penalties (the quantity a trainer recomputes), the
-`temperature` those log-probs are under, `sampling`: what else changed the
-distribution the turn was drawn from (`SamplingConfig.distribution_changes`,
-None when nothing did), and a `finish_reason` ("stop", "length", "tool_call").
-A rollout's prompt comes from `encode_prompt` (or is passed in already encoded by it), so
-prompt ids + sampled ids are a prefix of `encode_rollout` of the extended rollout.
-
-Greedy decoding (`do_sample=False`) records log-probs at the configured
-temperature; `temperature=0` means greedy with log-probs at temperature 1.
-
-Seeds: each sampled row draws from its own stream, keyed by its prompt's seed and its sample index
-(`picker.row_uniforms` on the HF loops, a per-request seed on vLLM), so a seeded prompt samples the
-same ids alone or batched with other prompts. Unseeded prompts get a seed drawn from the generator's
-sequence (`ModelGenerate(seed=...)`), else from torch's global RNG.
-
-Backends share one small interface (`sampling.Backend`): the HF one is in `hf_backend.py`, the vLLM
-one in `vllm.py`; both import their shared types from `sampling.py`, never from here.
+Every MODEL message carries the sampled `token_ids` (EOS / stop token kept), their `logprobs` under
+softmax(logits / temperature) (the quantity a trainer recomputes), that `temperature`, `sampling`
+(`SamplingConfig.distribution_changes`) and a `finish_reason` ("stop", "length", "tool_call"). Prompt
+ids (`encode_prompt`) + sampled ids are a prefix of `encode_rollout` of the extended rollout. Each row
+draws from a stream keyed by its prompt's seed and sample index, the same alone or batched.
 """
 
 from __future__ import annotations
@@ -130,17 +114,13 @@ class ModelGenerate:
         gen.generate(rollouts, adapter="solver")             # with one agent's LoRA adapter (model/adapters.py)
 
     model: an HF causal LM (peft models too), a `vllm.LLM`, or with a vLLM backend a model path.
-    max_new_tokens, temperature, tool_call_stop (stop strings that end a turn with finish_reason
-    "tool_call", e.g. "</tool_call>"): the common sampling options; every other one (do_sample, top_p,
-    top_k, min_p, stop, eos_token_ids, logit_bias, penalties, grammar) lives in `sampling`, a
-    `SamplingConfig` that replaces those three keywords (give one or the other). eos_token_ids left
-    empty: the tokenizer's EOS + the model's generation-config EOS. Greedy: `temperature=0` (log-probs
-    recorded at temperature 1) or `SamplingConfig(do_sample=False)` (at the configured temperature).
-    backend: a kind ("auto", "hf", "vllm") or a `BackendConfig` (the decode loop, HF batch size, vLLM
-    LoRA request and engine settings).
-    seed: the generator's sequence of seeds, one per unseeded prompt (reproducible calls).
-    `policy_version` (an attribute, 0 at first) is stamped on every sampled message; bump it after each
-    optimizer step (the HF backend samples with the live model); `push_weights` bumps it.
+    max_new_tokens, temperature, tool_call_stop (stop strings ending a turn with finish_reason "tool_call"):
+    the common options; every other one lives in `sampling`, a `SamplingConfig` given instead of those
+    three. Empty eos_token_ids: the tokenizer's EOS + the model's generation-config EOS. Greedy:
+    `temperature=0` (log-probs at temperature 1) or `SamplingConfig(do_sample=False)` (at the temperature).
+    backend: a kind ("auto", "hf", "vllm") or a `BackendConfig`. seed: the generator's sequence of seeds.
+    `policy_version` (0 at first) is stamped on every sampled message; bump it after each optimizer step
+    (`push_weights` does).
     """
 
     def __init__(self, model, tokenizer=None, max_new_tokens: int = 50, temperature: float = 0.7, *,
@@ -227,19 +207,13 @@ class ModelGenerate:
                  watch: DecodeWatch | None = None) -> list[list[Message]]:
         """`n` sampled MODEL messages per prompt, all prompts x n in one batch. Does not append.
 
-        prompts: Rollouts (encoded by their chat template, `encode_prompt`) or lists of token ids
-        (sampled from as they are, e.g. raw text tokenized without a template).
-        prompt_ids: the rollouts already encoded with `encode_prompt` (one list each: `prompt_ids()`),
-        so a caller that checked their length encodes them once.
-        sampling: other sampling options for this call only (its empty eos_token_ids take the
-        generator's), passed down to the backend, never stored.
-        adapter: sample with this LoRA adapter of a multi-adapter peft model (HF) or with the
-        `LoRARequest` pushed under this name (vLLM), recorded on each message; a list: one per prompt.
-        seed: this call's seed, or one per prompt (None entries: the next of the generator's sequence);
-        a seeded prompt's samples are the same alone or batched with others.
-        watch: a `DecodeWatch` that receives each row's ids as they are sampled and may cancel rows
-        (row i * n + j is prompt i's j-th sample; `sampling.DecodeWatch`).
-        Calls are not reentrant: one generation at a time per generator.
+        prompts: Rollouts (encoded by `encode_prompt`) or lists of token ids (sampled from as they are).
+        prompt_ids: the rollouts already encoded (`prompt_ids()`), so a caller that checked them encodes once.
+        sampling: this call's options only (its empty eos_token_ids take the generator's), never stored.
+        adapter: a LoRA adapter's name (HF: of a multi-adapter peft model; vLLM: a pushed `LoRARequest`),
+        recorded on each message; a list: one per prompt.
+        seed: this call's seed, or one per prompt (None: the next of the generator's sequence).
+        watch: a `DecodeWatch` (row i * n + j is prompt i's j-th sample). Not reentrant.
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive int, got {n!r}")

@@ -2,14 +2,8 @@
 
 Legend: B rows, V vocab.
 
-Shared by both HF decode loops (`hf_backend`'s `model.generate` processor and `fast_decode`'s CUDA
-graph), so under one seed they draw the same ids. Sampling is by inverse CDF, one float64 uniform
-per row and step (`inverse_cdf_sample`): after `start(keys)`, row i's uniform at step t is a hash of
-(keys[i], t) alone (`row_uniforms`, counter-based: no generator state, the same numbers on every device
-and in a CUDA graph), so a row samples the same ids whatever else is in its batch. logit_bias and frequency / presence penalties
-(`LogitShift`) are one (B, V) offset added to the raw scores before temperature, top-k and top-p,
-updated in place after each pick (no host sync, graph-safe); with none of them set, no op is added.
-Top-k / top-p / min-p keep the set that `model/scoring/truncation.py` defines (the one the trainer scores under).
+Both HF decode loops share it, so under one seed they draw the same ids: inverse-CDF sampling with one
+uniform per row and step, a counter-based hash of (row key, step) (`row_uniforms`, graph-safe).
 """
 
 from __future__ import annotations
@@ -126,15 +120,11 @@ class _Scratch:
 
 class TokenPicker:
     """One decode step's choice from the (B, V) float32 scores: `pick(scores) -> (ids (B,), logprobs (B,),
-    mass (B,) float64 or None)`, with no host sync (the default path's processor and the fast decode's
-    CUDA graph share it).
+    mass (B,) float64 or None)`, with no host sync.
 
-    The log-prob is log_softmax(raw scores / T) of the chosen token, except where the draw is
-    truncated and nothing else shaped it (`SamplingConfig.records_truncated`): then it is the log-prob
-    under the truncated, renormalized distribution the token was drawn from. Greedy: the argmax.
-    Sampling: `inverse_cdf_sample` (one uniform per row) from softmax(scores / T), or from its kept
-    set under top-k / top-p / min-p (`model/scoring/truncation.py`); `mass` is the sampled distribution's
-    unnormalized total, for `unsampleable`.
+    The log-prob is log_softmax(raw scores / T) of the chosen token, or, where only truncation shaped the
+    draw (`SamplingConfig.records_truncated`), under the truncated distribution. `mass`: the sampled
+    distribution's unnormalized total, for `unsampleable`.
     """
 
     def __init__(self, cfg: SamplingConfig):

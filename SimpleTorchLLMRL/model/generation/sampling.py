@@ -1,10 +1,5 @@
-"""What backends share: the sampling config, one sampled completion, stop-string cutting, the backend protocol
-and the `DecodeWatch` a call may carry.
-
-Both backends (`hf_backend`, `vllm`) and the generator (`generator`) import from here;
-nothing here imports them, so the model package has no import cycle.
-
-Legend: N new tokens.
+"""What the backends and the generator share: `SamplingConfig`, `Sample`, stop-string cutting, the `Backend`
+protocol and `DecodeWatch`. Nothing here imports a backend.
 """
 
 from __future__ import annotations
@@ -79,21 +74,15 @@ class Backend(Protocol):
 class SamplingConfig:
     """What to sample and when to stop; validated on construction.
 
-    logit_bias: token id -> a float added to that token's raw logit (a dict, or (id, bias) pairs; kept as
-    a sorted tuple of pairs, so configs compare and hash by value). frequency_penalty / presence_penalty
-    (OpenAI's, in [-2, 2]): logit_z -= frequency_penalty * count(z) + presence_penalty * (count(z) > 0),
-    count(z) the times z was sampled so far in this completion (the prompt is not counted, as in vLLM).
-    Bias and penalties shape the logits before temperature, top-k and top-p; the recorded log-probs stay
-    log_softmax(raw logits / T) (`distribution_changes` says what the draw differed by).
-    min_p (in [0, 1], 0 disables): keep the tokens whose probability is >= min_p times the top one's.
-    Top-k / top-p / min-p keep one set (`model/scoring/truncation.py`); when nothing else shaped the draw
-    (`records_truncated`) the recorded log-probs are under that truncated, renormalized distribution,
-    the one the trainer scores such a turn under (docs/generation.md).
-    grammar: text in xgrammar's EBNF dialect (start rule `root`) that every completion must match
-    (constrained decoding, `model/generation/constrain.py`; None: unconstrained). Recorded log-probs stay those
-    of the raw logits / T, before the grammar's mask; `distribution_changes` records the grammar. The
-    grammar decides where such a completion ends (EOS once it is complete): stop strings and tool-call
-    stops do not apply to it (`all_stops` is empty), so none can cut it inside, e.g. in a JSON string.
+    logit_bias: token id -> a float added to that token's raw logit (a dict or (id, bias) pairs; kept as a
+    sorted tuple). frequency_penalty / presence_penalty (OpenAI's, in [-2, 2]): logit_z -= frequency_penalty
+    * count(z) + presence_penalty * (count(z) > 0), count(z) over this completion's sampled ids. Both shape
+    the logits before temperature and truncation; recorded log-probs stay log_softmax(raw logits / T).
+    min_p (in [0, 1], 0 disables): keep the tokens with probability >= min_p times the top one's. A draw
+    only truncated by top-k / top-p / min-p records log-probs under the truncated distribution
+    (`records_truncated`), the one the trainer scores it under (docs/generation.md).
+    grammar: xgrammar EBNF (start rule `root`) every completion must match (`constrain.py`); log-probs stay
+    those before its mask, and it decides where a completion ends (no stop string applies: `all_stops`).
     """
 
     max_new_tokens: int = 50
@@ -335,25 +324,16 @@ TokensFn = Callable[[Sequence[int], list[list[int]]], None]
 
 
 class DecodeWatch:
-    """What a decode loop reports while it runs (each row's new ids) and what it asks (which rows
-    to give up), for streaming replies and cancelling abandoned ones.
-
-    Rows are the samples of one generate call, prompt-major: prompt i's j-th sample is row i * n + j.
+    """What a decode loop reports while it runs (each row's new ids) and asks (which rows to give up).
 
         watch = DecodeWatch(on_tokens=lambda rows, ids: ..., cancelled=lambda row: ...)
-        generator.generate(rollouts, n, watch=watch)
+        generator.generate(rollouts, n, watch=watch)       # row i * n + j: prompt i's j-th sample
 
-    `on_tokens(rows, ids)` is called from the thread that generates, with `ids[k]` the ids row `rows[k]`
-    sampled since the last call: every step on the HF `generate` loop (which syncs with the host every step
-    anyway), at each host check on the fast decode (`fast_decode.STREAM_EVERY` steps), as the engine steps on
-    vLLM. The ids are raw: a row that ended keeps receiving ids (padding, or what it samples past its EOS or
-    stop string), which the caller cuts as `sampling.cut_sample` does. It must be quick and must not raise;
-    hand the ids to another thread (e.g. `loop.call_soon_threadsafe`) rather than work on them there.
-
-    `cancelled(row)` is read at those same points: a row it says True for stops decoding (the HF loops treat it
-    as ended; vLLM aborts it); the other rows sample exactly the ids they would have sampled without it. A
-    cancelled row's message holds what it sampled until it stopped (finish_reason "length" unless it had
-    already ended).
+    `on_tokens(rows, ids)` runs on the generating thread with the raw ids each row sampled since the last
+    call (every step on HF `generate`, every `fast_decode.STREAM_EVERY` steps on the fast decode, per engine
+    step on vLLM; an ended row keeps receiving ids, cut as `cut_sample` does): it must be quick and not raise.
+    `cancelled(row)` is read at the same points: such a row stops decoding and keeps what it sampled
+    (finish_reason "length" unless it had ended); the other rows sample the ids they would have without it.
     """
 
     def __init__(self, on_tokens: TokensFn | None = None, cancelled: Callable[[int], bool] | None = None):

@@ -1,50 +1,12 @@
-"""The vLLM backend of `ModelGenerate`, and weight sync from a training model.
+"""The vLLM backend of `ModelGenerate` (vllm imported only when used), and weight pushes into the engine.
 
 Legend: B prompts, n samples per prompt.
 
-vllm is an optional extra, imported only when this backend is used:
-`uv sync --extra vllm` (it needs a CUDA GPU).
-
-Which log-probs vLLM returns is an engine setting, `LLM(..., logprobs_mode=...)`:
-"raw_logprobs" (the default) are log_softmax(logits) before temperature and
-top-k/top-p; "processed_logprobs" are taken after temperature, min-p *and* top-k/top-p
-(renormalized over the kept tokens). The quantity this library records is log_softmax(logits / T),
-and for a truncated draw that nothing else shaped (`SamplingConfig.records_truncated`) the log-prob
-under the truncated, renormalized distribution, so:
-
-    top-k/top-p/min-p, no bias etc. -> "processed_logprobs" is exact (any temperature): what the
-                                       trainer scores such a turn under (`model/scoring/truncation.py`)
-    temperature == 1, no truncation -> "raw_logprobs" is exact (any bias, penalties)
-    no truncation                   -> "processed_logprobs" is exact (any temperature), unless
-                                       logit_bias or a penalty is set
-    truncation with bias/penalties  -> "raw_logprobs" at T == 1 (the full distribution's, recorded so)
-    logit_bias / frequency_penalty / presence_penalty (`SamplingParams` fields of the same names):
-        vLLM 0.32's sampler applies them to the float32 logits after taking "raw_logprobs" and before
-        temperature, top-k/top-p and "processed_logprobs" (v1/sample/sampler.py; the v2 GPU runner's
-        too), counting penalties over the completion's own tokens. So "raw_logprobs" stays exact with
-        them (at T == 1, or greedy); "processed_logprobs" would hold the biased, penalized
-        distribution, greedy decoding included: refused.
-
-Greedy decoding (`do_sample=False` or temperature 0) is sent as temperature 0;
-vLLM then reports log-probs of the untempered logits, recorded as temperature 1.
-
-A grammar (`SamplingConfig.grammar`) goes to the engine's own structured outputs
-(`StructuredOutputsParams(grammar=...)`, xgrammar inside vLLM). vLLM masks the logits
-before its sampler computes log-probs, so the sampled tokens' log-probs come from a
-second, prefill-only pass over prompt + completion (`prompt_logprobs=0`), which vLLM
-computes from the raw logits: exact at temperature 1 (and greedy, recorded at 1); a
-grammar with another temperature is refused with a ValueError.
-
-A call with a `watch` (streaming, hang-ups) steps the engine itself (`model/generation/vllm_stream.py`): the same
-requests as `LLM.generate`, each row's ids reported as the engine samples them, cancelled rows aborted.
-
-Weight sync (`push_weights`) hands HF checkpoint names (built by
-`model/generation/weight_sync.py`: peft prefixes stripped, LoRA deltas merged into new
-tensors, the training model never modified) to the workers' `reload_weights`
-(`model/generation/vllm_engine.py`), in-process or multi-process, then checks that the
-engine's log-probs of a short probe match the trainer's (`check_agreement`;
-`WeightSyncError` when they do not). Engine settings live in
-`vllm_engine.make_llm`; a model path given to `ModelGenerate` goes through it.
+The engine's `logprobs_mode` must give what this library records (`logprobs_mode_problem` refuses the rest;
+docs/generation.md): "processed_logprobs" for a draw only truncated by top-k / top-p / min-p (any
+temperature), "raw_logprobs" at temperature 1 or greedy (any logit_bias or penalty, which vLLM applies after
+taking raw log-probs). Under a grammar the sampled tokens are rescored by a prefill pass (temperature 1
+only). A call with a `watch` steps the engine itself (`vllm_stream`); every push is checked (`vllm_engine`).
 """
 
 from __future__ import annotations
@@ -117,13 +79,10 @@ class VLLMBackend:
         self.max_context = getattr(model_config, "max_model_len", None)
         get_vocab = getattr(model_config, "get_vocab_size", None)
         self.vocab_size = int(get_vocab()) if callable(get_vocab) else None  # ids logit_bias may name
-        problem = logprobs_mode_problem(self.logprobs_mode, cfg)
-        if problem:
-            raise ValueError(problem)
-        self._adapter_dir: str | None = None
+        self.check_sampling(cfg)
         self._adapter_id = 0
         self.lora_requests: dict = {}  # adapter name -> LoRARequest (one per agent; see push_weights)
-        self._adapter_dirs: dict[str, str] = {}
+        self._adapter_dirs: dict[str | None, str] = {}  # adapter name (None: the policy's) -> its export
         self._asleep: set[str] = set()
         self._pending: list = []  # pushes whose agreement check waits for the engine to wake up
         self.last_agreement: float | None = None  # max |d log p| of the last checked push
@@ -260,7 +219,7 @@ class VLLMBackend:
             if mode != "adapter":
                 raise ValueError(f"push_weights(adapter=...) needs mode='adapter', got {mode!r}")
             for name in [adapter] if isinstance(adapter, str) else adapter:
-                self.lora_requests[name] = self._push_named_adapter(model, name)
+                self.lora_requests[name] = self._push_adapter(model, name)
                 self._check(model, self.lora_requests[name], name)
         elif mode == "adapter":
             self.lora_request = self._push_adapter(model)
@@ -289,32 +248,20 @@ class VLLMBackend:
             ids, mine, lora = self._pending.pop(0)
             self.last_agreement = compare_probe(self.llm, ids, mine, lora_request=lora)
 
-    def _push_adapter(self, model):
-        """Save the adapter to a fresh directory and return a LoRARequest with a new id (vLLM caches by id)."""
-        from vllm.lora.request import LoRARequest
-
-        from SimpleTorchLLMRL.model.generation.weight_sync import export_adapter
-
-        old, self._adapter_dir = self._adapter_dir, tempfile.mkdtemp(prefix="stllmrl-lora-")
-        path = export_adapter(model, self._adapter_dir)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
-        self._adapter_id += 1
-        return LoRARequest(f"policy-{self._adapter_id}", self._adapter_id, path)
-
-    def _push_named_adapter(self, model, name: str):
-        """Adapter `name` to a fresh directory, served as LoRARequest(name, new id, dir) (vLLM caches by id)."""
+    def _push_adapter(self, model, name: str | None = None):
+        """Adapter `name` (None: "default") to a fresh directory, served as a LoRARequest with a new id
+        (vLLM caches by id)."""
         from vllm.lora.request import LoRARequest
 
         from SimpleTorchLLMRL.model.generation.weight_sync import export_adapter
 
         old = self._adapter_dirs.get(name)
-        self._adapter_dirs[name] = tempfile.mkdtemp(prefix=f"stllmrl-lora-{name}-")
-        path = export_adapter(model, self._adapter_dirs[name], adapter_name=name)
+        self._adapter_dirs[name] = tempfile.mkdtemp(prefix=f"stllmrl-lora-{name or 'policy'}-")
+        path = export_adapter(model, self._adapter_dirs[name], adapter_name=name or "default")
         if old:
             shutil.rmtree(old, ignore_errors=True)
         self._adapter_id += 1
-        return LoRARequest(f"{name}-{self._adapter_id}", self._adapter_id, path)
+        return LoRARequest(f"{name or 'policy'}-{self._adapter_id}", self._adapter_id, path)
 
     def sleep(self, level: int = 1) -> None:
         """Free GPU memory for training: level 1 offloads weights to CPU, level 2 discards them."""

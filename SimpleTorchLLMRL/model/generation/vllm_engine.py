@@ -6,24 +6,8 @@ Legend: K probe tokens.
     reload_weights(llm, vllm_weights(model).items())    # in-process or multi-process engines alike
     check_agreement(llm, model, probe_ids(tokenizer))   # WeightSyncError when the engine disagrees
 
-Settings (`make_llm`): `dtype` "float32" on the CPU build (vLLM would otherwise downcast a float32
-checkpoint to bf16; main.py passes its --dtype), "auto" on a GPU, `max_num_batched_tokens` large enough that a
-prompt's prefill is never split (the CPU build's seeded sampler fails on split prefills), the
-`logprobs_mode` that gives the recorded log-probs (`model/generation/vllm.py`), `seed=0`. On the CPU build
-the environment variables it needs are set when absent, at `make_llm` time (never at import):
-`VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache; default 1: the engine otherwise asks for 92% of the
-machine's memory and refuses to start) and `VLLM_ENABLE_V1_MULTIPROCESSING=0` (the engine in this
-process: starts in seconds and takes weight pushes without pickling them).
-
-Weight pushes go through the workers' `reload_weights` (vLLM's layer-wise in-place reload, which
-also works where the CPU build has repacked linear weights and `model.load_weights` cannot):
-`collective_rpc("reload_weights", kwargs=...)` in process, a pickled callable to each worker
-otherwise (tensors do not survive msgpack as kwargs; vLLM accepts callables only with
-`VLLM_ALLOW_INSECURE_SERIALIZATION=1` set before the engine starts). After every push
-`check_agreement` scores a short fixed probe text with the engine (its prompt log-probs) and with
-the trainer, and raises `WeightSyncError` when they differ beyond `AGREEMENT_TOL` (by the engine's
-dtype). The trainer's side is computed at push time, so a colocated engine whose KV cache sleeps
-during the push is compared when it wakes up.
+Why each setting and how a push reaches the workers: docs/generation.md, "vLLM backend". On the CPU
+build `make_llm` sets `CPU_ENV_DEFAULTS` where unset (never at import).
 """
 
 from __future__ import annotations
@@ -32,6 +16,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Iterable
+from types import SimpleNamespace
 
 import torch
 
@@ -176,7 +161,8 @@ def trainer_probe(model, ids: list[int]) -> torch.Tensor:
     model.eval()
     try:
         seq = torch.tensor([list(ids)], device=next(model.parameters()).device)
-        return token_logprobs(model, _Batch(seq, torch.ones_like(seq)))[0, 1:].double().cpu()  # (K,)
+        batch = SimpleNamespace(input_ids=seq, attention_mask=torch.ones_like(seq))
+        return token_logprobs(model, batch)[0, 1:].double().cpu()  # (K,)
     finally:
         model.train(was_training)
 
@@ -210,8 +196,3 @@ def check_agreement(llm, model, ids: list[int], *, tol: float | None = None, lor
     """The probe `ids` scored by the engine and by the trainer: their max |d log p| (WeightSyncError above
     `tol`)."""
     return compare_probe(llm, ids, trainer_probe(model, ids), tol=tol, lora_request=lora_request)
-
-
-class _Batch:
-    def __init__(self, input_ids, attention_mask):
-        self.input_ids, self.attention_mask = input_ids, attention_mask

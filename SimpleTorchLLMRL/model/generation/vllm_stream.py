@@ -1,18 +1,9 @@
 """A watched call on the vLLM backend: the engine stepped request by request, each row's new ids handed to a
-`model.generation.sampling.DecodeWatch` as they are sampled, the rows it gives up aborted in the engine.
+`DecodeWatch` as they are sampled, the rows it gives up aborted in the engine.
 
 Legend: R requests, k samples per request (vLLM's `n`), R * k rows (row i * k + j: request i's j-th sample).
 
-`LLM.generate` renders its prompts (`LLM._preprocess_cmpl`), adds one engine request per prompt with
-`RequestOutputKind.FINAL_ONLY` and calls `llm_engine.step()` until all have finished (vLLM 0.32,
-entrypoints/common/offline.py). `step_watched` does the same with `CUMULATIVE` outputs, so every step reports
-each row's ids so far; the engine schedules and samples exactly as under `LLM.generate` (same requests, same
-order, same per-request seeds), so the rows' final outputs are the ones `LLM.generate` returns.
-
-A row the watch cancels is aborted (`llm_engine.abort_request`, by its internal id: a request's own, or for
-k > 1 its child's, which vLLM names f"{j}_{request id}" in v1/engine/parallel_sampling.py) and keeps the ids it
-had sampled at the last step (`watch.give_up(row, count)`); the other rows keep sampling their own ids (each
-request draws from its own seeded generator).
+The requests are `LLM.generate`'s (vLLM 0.32) with `CUMULATIVE` outputs, so the engine samples the same ids.
 """
 
 from __future__ import annotations

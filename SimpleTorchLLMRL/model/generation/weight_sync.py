@@ -1,21 +1,9 @@
 """Weights for an inference engine (vLLM) from a training model: plain state dicts, no vllm import.
 
-Two ways to hand a trained policy to the engine:
-
     weights = vllm_weights(model)              # {HF base name: tensor}; LoRA merged in, peft names gone
-    llm_model.load_weights(weights.items())    # names and shapes are exactly the base checkpoint's
-
     path = export_adapter(model, "/tmp/adapter_step_7")   # adapter_config.json + adapter_model.safetensors
-    LoRARequest("policy", 7, path)                        # base weights in the engine stay untouched
 
-Under FSDP2 both are collectives (every rank calls them; rank 0 gets the data,
-the others get {} / write nothing). A 4-bit (QLoRA) base has no exact dense
-weights, so `vllm_weights` refuses it: the adapter path is the only one there.
-
-Naming: peft keys look like `base_model.model.<hf name>` with the adapted
-layer's own weights under `.base_layer.` and the adapters under
-`.lora_A.<adapter>.` / `.lora_B.<adapter>.`; `modules_to_save` copies live
-under `.modules_to_save.<adapter>.` next to the frozen `.original_module.`.
+Under FSDP2 both are collectives (rank 0 gets the data); a 4-bit base is refused by `vllm_weights`.
 """
 
 from __future__ import annotations
@@ -142,11 +130,9 @@ def vllm_weights(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = 
                  adapter_name: str = "default", merge_lora: bool = True) -> dict[str, torch.Tensor]:
     """Full weights under the base model's HF names, ready for vLLM `load_weights(weights.items())`.
 
-    `model`: a transformers or peft model, plain or FSDP2-sharded. `state_dict`
-    defaults to `gathered_state_dict(model)` (a collective under FSDP2: every rank
-    calls, rank 0 gets CPU tensors, the others {} and so an empty result).
-    LoRA deltas are merged (merge_lora=True) or dropped (False: base only).
-    Raises ValueError for a 4-bit base: use `export_adapter` there.
+    `model`: transformers or peft, plain or FSDP2 (`state_dict` defaults to `gathered_state_dict(model)`, a
+    collective: ranks other than 0 get {}). LoRA deltas are merged (merge_lora=True) or dropped (False).
+    ValueError for a 4-bit base: use `export_adapter` there.
     """
     from SimpleTorchLLMRL.model.lora import is_peft_model, is_quantized
 

@@ -1,17 +1,11 @@
 """Synthetic arithmetic with a calculator tool: the task the embedded tiny model knows.
 
-Problems are two-operand expressions over 2-3 digit numbers ("What is 47 * 23?").
-A model answers either directly (`\\boxed{1081}`) or by calling the calculator
-(Hermes/Qwen style JSON in `<tool_call>` tags), reading the TOOL result and then
-answering. Every problem belongs to exactly one split, decided by a stable hash
-of its expression, so the held-out problems are never seen in warm-up or RL.
+Two-operand problems over 2-3 digit numbers ("What is 47 * 23?"), answered directly (`\\boxed{1081}`) or
+through a `<tool_call>` to the calculator. A stable hash of the expression puts every problem in one split.
 
     rows = build_dataset(200, seed=0, split="train")   # [{"question": ..., "answer": ...}]
     check_answer("\\boxed{1081}", "1081")             # True
     safe_eval("47 * 23")                               # 1081
-
-Nothing here imports torch or transformers; `solution_rollout` builds the
-Message/Rollout form used for the supervised warm-up.
 """
 
 from __future__ import annotations

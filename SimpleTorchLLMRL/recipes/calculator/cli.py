@@ -158,17 +158,12 @@ def check_args(args: argparse.Namespace) -> None:
     args.engine_kwargs = engine_args(args.engine_arg)
     positive = ("steps", "batch_size", "group_size", "micro_batch_size", "max_new_tokens", "max_turns",
                 "eval_size", "pass_k", "threads", "lora_rank")
-    for name in positive:
-        value = getattr(args, name)
-        if value < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for name in ("checkpoint_every", "eval_every", "warmup_steps", "pass_k_size"):
-        value = getattr(args, name)
-        if value < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-    if args.async_staleness is not None:
-        if args.async_staleness < 0:
-            raise UsageError(f"--async-staleness must be >= 0, got {args.async_staleness}")
+    counts = ("checkpoint_every", "eval_every", "warmup_steps", "pass_k_size", "async_staleness")
+    for names, least in ((positive, 1), (counts, 0)):
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and value < least:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
     if args.group_size < 2:
         raise UsageError(f"--group-size must be >= 2 (GRPO compares rollouts within a group), got {args.group_size}")
     if not (args.lr > 0 and math.isfinite(args.lr)):

@@ -5,11 +5,8 @@
         load_checkpoint(ckpt, model, optimizer, scheduler)   # only after every comparison passed
     save_checkpoint(..., state=checkpoint_state(args, model, step, wandb_run_id))
 
-Refused, with nothing written (exit 2): a flag that shapes the weights differs (compared
-first: --model, --lora, --qlora, --lora-rank, --lora-alpha, --dtype, then the model's config), a flag
-that shapes the data or the updates differs, --steps below the checkpoint's step, every
-checkpoint corrupt (`--restart` starts over instead), a metrics.jsonl with a bad line that is
-not a torn last line, a checkpoints/ that is a dangling symlink or cannot be read.
+Refused, nothing written (exit 2): a flag that shapes the weights (`WEIGHT_FLAGS`, then the model's config)
+or the run (`RUN_FLAGS`) differs, --steps below the checkpoint's, every checkpoint corrupt, a bad metrics line.
 """
 
 from __future__ import annotations
@@ -33,10 +30,6 @@ RUN_FLAGS = ("dataset", "reward", "batch_size", "group_size", "lr", "seed", "tem
 # config.json entries that say nothing about the weights
 _NOT_ARCHITECTURE = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "_commit_hash",
                      "_attn_implementation", "_attn_implementation_autoset", "attn_implementation"}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def model_config(model) -> dict[str, Any]:
@@ -97,7 +90,8 @@ def resume_point(out: Path, args: argparse.Namespace, model) -> tuple[Path | Non
 def _compare(names, before: dict, now: dict, ckpt: Path, what: str) -> None:
     for name in names:
         if name in before and before[name] != now[name]:
-            raise UsageError(f"--resume: {_flag(name)} is {now[name]!r} but the checkpointed run ({ckpt}) used "
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"--resume: {flag} is {now[name]!r} but the checkpointed run ({ckpt}) used "
                              f"{before[name]!r}; every flag that shapes {what} must match")
 
 

@@ -1,16 +1,11 @@
-"""Router-R1 configuration: small dataclasses mirroring the original recipe's Hydra config.
+"""Router-R1 configuration: six small dataclasses mirroring the original recipe's Hydra config.
 
-The original (ulab-uiuc/Router-R1, verl's `ppo_trainer.yaml` + `train.sh`) groups
-options as `data.*`, `actor_rollout_ref.rollout.*`, `algorithm.*`, `trainer.*`,
-`critic.*` and top-level `max_turns`, `reward_metric`, `cost_coe`, `api_base`,
-`api_key`. Here they are six dataclasses bundled by `RouterTrainingConfig`;
-field names follow the original where one exists (train.sh values as defaults).
+The original (ulab-uiuc/Router-R1, verl's `ppo_trainer.yaml` + `train.sh`) groups options as `data.*`,
+`actor_rollout_ref.rollout.*`, `algorithm.*`, `trainer.*`, `critic.*`; field names follow it where one
+exists (train.sh values as defaults). Each dataclass checks itself (ValueError naming the field); the API
+key is never a config value (`tool.api_key_env` names its environment variable).
 
     cfg = RouterTrainingConfig.from_overrides(["data.train_batch_size=8", "reward.cost_coefficient=0.5"])
-
-Every dataclass validates itself in `__post_init__` and raises ValueError naming
-the field and what is allowed. The API key is never a config value: `tool.api_key_env`
-names the environment variable it is read from.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """Router-R1 episodes: the policy thinks, routes sub-questions to pool models, reads, answers.
 
-Two drivers share one environment (`RouterEnv`, an `Env`):
-
     env = RouterEnv(pool, tokenizer, config)                        # config: RouterTrainingConfig
     gen = make_policy_generator(policy, tokenizer, config)          # ModelGenerate, stops at </search>, </answer>
     rollouts = RouterGenerationManager(gen, env).run(questions, answers, n=4)   # routing batched per round
     rollouts = collect_rollouts(gen, env, questions, answers, group_size=4)     # the generic loop works too
 
-Each MODEL turn ends at `</search>` (finish_reason "tool_call") or `</answer>`. A
-search `NAME: query` is answered by a TOOL message `<information>reply</information>`
-(never trained); a malformed search, an unknown name, an exhausted routing budget and
-a failing model are answered with what went wrong. After `max_turns` routing rounds
-the policy gets one final turn with routing off. Every search is recorded in the
-episode's `RouterState` (`rollout.metadata["env_state"]`), which the reward reads for cost.
+A search `NAME: query` is answered by a TOOL message `<information>reply</information>`; a malformed
+search, an unknown name, an exhausted budget and a failing model are answered with what went wrong.
+After `max_turns` routing rounds one final turn has routing off. Every search is recorded in the
+episode's `RouterState`, which the reward reads for cost.
 """
 
 from __future__ import annotations

@@ -6,13 +6,7 @@
         OpenAIModel("llama-70b", "meta/llama-3.1-70b-instruct", api_base="https://.../v1",
                     api_key_env="ROUTER_API_KEY", price_per_1m_tokens=0.88),
     ])
-    results = pool.route([("calc", "2 + 3"), ("LLAMA-70B", "capital of France?")])   # names: any case
-
-A call's cost is `cost_per_call + completion_tokens * price_per_1m_tokens / 1e6` (the
-original's API_PRICE_1M_TOKENS table, in dollars). `route` never raises for what a
-policy can write or a server can answer: an unknown name, a failing callable, an HTTP
-error all come back as a `RouteResult` with `ok=False`, a status and the error text.
-Queries for one local HF model are generated as one batch; the other calls run in threads.
+    results = pool.route([("calc", "2 + 3"), ("LLAMA-70B", "capital of France?")])   # never raises
 """
 
 from __future__ import annotations

@@ -6,15 +6,8 @@ Legend: B batch (rollouts).
     out = reward.compute(rollouts, golds)     # out.total (B,), out.components {name: (B,)}, out.metrics
     rewards = reward(rollouts, golds)         # the reward protocol: total only, (B,) float32
 
-Components (they sum to the total):
-    answer          correct_score x metric(final answer, best gold): "em" / "f1" (SQuAD normalization,
-                    signs and decimal points kept with keep_numbers) or "math" (`math_equal`); 0 without one
-    missing_answer  missing_answer_penalty when no MODEL turn closes an <answer>
-    malformed       malformed_penalty when `tags.format_problems` finds anything
-    unknown_model   unknown_model_penalty when a search names a model outside the pool
-    over_budget     over_budget_penalty when a search came after the routing budget was spent
-    cost            -cost_coefficient x the episode's routing cost (dollars, from `RouterState`)
-Each penalty applies at most once per rollout. Golds default to `rollout.metadata["answer"]`.
+The components (`COMPONENTS`, each penalty at most once per rollout) sum to the total; golds default to
+`rollout.metadata["answer"]`.
 """
 
 from __future__ import annotations
@@ -30,7 +23,7 @@ from SimpleTorchLLMRL.recipes.router_r1.config import RouterRewardConfig
 from SimpleTorchLLMRL.recipes.router_r1.generation import RouterState
 from SimpleTorchLLMRL.recipes.router_r1.pool import RoutingPool
 from SimpleTorchLLMRL.recipes.router_r1.tags import final_answer, format_problems, searches
-from SimpleTorchLLMRL.reward.base import answers_of
+from SimpleTorchLLMRL.reward.base import answers_of, check_batch
 from SimpleTorchLLMRL.reward.text import exact_match_score, f1_score
 
 COMPONENTS = ("answer", "missing_answer", "malformed", "unknown_model", "over_budget", "cost")
@@ -131,11 +124,7 @@ class RouterReward:
         return comp, metrics
 
     def compute(self, rollouts: Sequence[Rollout], ground_truths: Sequence[Any] | None = None) -> RouterRewardOutput:
-        if isinstance(rollouts, Rollout):
-            raise TypeError("a reward takes a list of Rollouts, got a single Rollout; wrap it: [rollout]")
-        gts = [None] * len(rollouts) if ground_truths is None else list(ground_truths)
-        if len(gts) != len(rollouts):
-            raise ValueError(f"got {len(rollouts)} rollouts but {len(gts)} ground_truths")
+        gts = check_batch(rollouts, ground_truths)
         parts = [self.breakdown(r, g) for r, g in zip(rollouts, gts, strict=True)]
         comps = {k: torch.tensor([c[k] for c, _ in parts], dtype=torch.float32) for k in COMPONENTS}  # (B,) each
         mets = {k: torch.tensor([m[k] for _, m in parts], dtype=torch.float32) for k in METRICS}  # (B,) each

@@ -1,10 +1,9 @@
 """Router-R1's tag grammar: read a MODEL turn's action and check a trajectory's format.
 
-A turn is `<think>...</think>` followed by either `<search>MODEL_NAME: query</search>`
-or `<answer>...</answer>`; `<information>...</information>` is written by the
-environment, never by the model. The first closed <search> or <answer> of a turn is
-its action (as in the original `postprocess_predictions`), read with the toolkit's
-`TagToolCallParser`.
+A turn is `<think>...</think>` followed by either `<search>MODEL_NAME: query</search>` or
+`<answer>...</answer>`; `<information>...</information>` is written by the environment, never by the model.
+The first closed <search> or <answer> of a turn is its action (as in the original `postprocess_predictions`),
+read with the toolkit's `TagToolCallParser`.
 """
 
 from __future__ import annotations

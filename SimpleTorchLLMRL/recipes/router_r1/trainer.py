@@ -6,16 +6,7 @@ Legend: B rollouts (questions x n_agent).
     trainer.fit()              # rollouts -> RouterReward -> PPO / GRPO updates; validation every test_freq
     trainer.validate()         # greedy episodes on the validation rows: EM, F1, cost, routing calls
 
-One step, the loop a reader can follow:
-    rollouts = manager.run(questions, answers, n)         # multi-round generation + batched routing
-    rewards = reward.compute(rollouts).total              # (B,)
-    prepared = algo.prepare(rollouts, rewards)            # old log-probs, values, advantages (no grad)
-    for each ppo epoch, mini-batch: micro-batch losses .backward(); clip; actor / critic optimizer step
-Logging goes to the console and, with "wandb" in trainer.logger, to W&B (offline by default).
-Built from the same library parts as main.py's calculator recipe: `utils.training` (seed, warm-up,
-the NaN-refusing `clipped_step`), `utils.metrics.MetricsLogger` and `utils.checkpoint`.
-Checkpoints (every save_freq steps and at the end): default_local_dir/checkpoints/step-N/ (resumable:
-policy, optimizers, critic, RNG), and the policy as `save_pretrained` in default_local_dir/final/.
+Checkpoints (`utils.checkpoint`): default_local_dir/checkpoints/step-N/ and the policy in .../final/.
 """
 
 from __future__ import annotations
