@@ -116,12 +116,25 @@ def supports_fused(head: nn.Module, softcap: float | None = None) -> bool:
 # ---------------------------------------------------------------- the forward to the final hidden states
 
 
+class _Scoring:
+    depth = 0  # scoring forwards in progress (a plain attribute: `torch.compile` guards on it)
+
+
+def in_scoring_forward() -> bool:
+    """Whether a forward of `model.scoring` (the trainer's, with or without grad) is running: where the
+    training-only body kernels run (`model.scoring.liger`)."""
+    return _Scoring.depth > 0
+
+
 def forward_last_logits(model, **kwargs):
     """model(**kwargs) with its head scoring only the last position (`logits_to_keep=1`) where it can."""
+    _Scoring.depth += 1
     try:
         return model(**kwargs, logits_to_keep=1)
     except TypeError:  # a model without logits_to_keep: pays for its full logits
         return model(**kwargs)
+    finally:
+        _Scoring.depth -= 1
 
 
 def last_hidden(out) -> torch.Tensor:
@@ -183,6 +196,25 @@ def _verify_head(model, hidden: torch.Tensor, logits: torch.Tensor) -> None:
     _VERIFIED.add(unwrap(model))
 
 
+def sliding_window_layers(config) -> bool:
+    """True when some of the model's layers attend within a sliding window (a full causal mask would be wrong)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return any(t != "full_attention" for t in layer_types)
+    return (getattr(config, "sliding_window", None) is not None
+            and getattr(config, "use_sliding_window", True) is not False)
+
+
+def mask_for_attention(model, allowed: torch.Tensor) -> torch.Tensor:
+    """A (B, 1, Q, K) bool mask (True attends) as `model`'s attention takes it: bool for "sdpa", additive for "eager"."""
+    model = unwrap(model)
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        return allowed
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed,
+                                                                                       torch.finfo(dtype).min)
+
+
 def causal_mask_4d(model, key_valid: torch.Tensor) -> torch.Tensor | None:
     """A (B, 1, T, T) causal mask over the keys `key_valid` (B, T) marks, as HF's attention takes it, or None.
 
@@ -193,18 +225,9 @@ def causal_mask_4d(model, key_valid: torch.Tensor) -> torch.Tensor | None:
     query row is never empty (no NaN in what nobody reads).
     """
     config = getattr(model, "config", None)
-    impl = getattr(config, "_attn_implementation", None)
-    layer_types = getattr(config, "layer_types", None)
-    sliding = (any(t != "full_attention" for t in layer_types) if layer_types
-               else getattr(config, "sliding_window", None) is not None
-               and getattr(config, "use_sliding_window", True) is not False)
-    if impl not in ("sdpa", "eager") or sliding:
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager") or sliding_window_layers(config):
         return None
     T = key_valid.shape[-1]
     eye = torch.eye(T, dtype=torch.bool, device=key_valid.device)
     allowed = (torch.ones_like(eye).tril_() & key_valid.bool()[:, None, None, :]) | eye  # (B, 1, T, T)
-    if impl == "sdpa":
-        return allowed
-    dtype = next(model.parameters()).dtype
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed,
-                                                                                       torch.finfo(dtype).min)
+    return mask_for_attention(model, allowed)
