@@ -278,8 +278,8 @@ def test_the_plan_puts_every_needed_token_once_in_its_own_row(kind, buckets):
     assert set(seg) - set(range(B)) <= set(range(B, B + R))  # the rounding slots: their own run per row
     assert [gather[s] for s in plan.index.tolist()] == index.tolist()  # the same tokens, in token_index order
     runs = plan.cu_seqlens.tolist()
-    assert runs[0] == 0 and runs[-1] == R * C and plan.max_seqlen == max(b - a for a, b in zip(runs, runs[1:]))
-    assert all(len(set(seg[a:b])) == 1 for a, b in zip(runs, runs[1:]))
+    assert runs[0] == 0 and runs[-1] == R * C and plan.max_seqlen == max(b - a for a, b in zip(runs, runs[1:], strict=False))
+    assert all(len(set(seg[a:b])) == 1 for a, b in zip(runs, runs[1:], strict=False))
     if kind == "mask":
         assert C == bucket(max(lengths), buckets) and R <= B
     assert sum(lengths) <= R * C
@@ -363,10 +363,10 @@ def test_the_varlen_path_hands_the_rows_boundaries_to_the_attention(monkeypatch)
         cu, m = kw["cu_seq_lens_q"], kw["max_length_q"]
         assert cu.dtype == torch.int32 and isinstance(m, int) and kw["cu_seq_lens_k"] is cu
         bounds = cu.tolist()
-        assert max(b - a for a, b in zip(bounds, bounds[1:])) == m
+        assert max(b - a for a, b in zip(bounds, bounds[1:], strict=False)) == m
         out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
             q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=scaling)
-            for a, b in zip(bounds, bounds[1:])], dim=2)
+            for a, b in zip(bounds, bounds[1:], strict=False)], dim=2)
         calls.append(len(bounds) - 1)
         return out.transpose(1, 2).contiguous(), None
 
