@@ -132,7 +132,7 @@ def test_the_decode_runs_hfs_modules_and_the_trainer_ligers(recording, chatml_to
     rollouts, rewards = _rollouts(tok), [1.0, 0.0, 0.5]
     losses = []
     for m in (model, plain):
-        loss = GRPO(m, tok).calculate_loss(rollouts, rewards)
+        loss = GRPO(m, tok, group_size=3).calculate_loss(rollouts, rewards)
         loss.backward()
         losses.append(loss.detach())
     per_forward = {"rms_norm": 2 * 2 + 1, "swiglu": 2, "rope": 2}  # 2 layers
@@ -161,11 +161,11 @@ def test_a_checkpointed_layer_recomputes_with_ligers_kernels_in_backward(recordi
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     apply_liger_kernels(model)
     rollouts = _rollouts(tok)
-    loss = GRPO(model, tok).calculate_loss(rollouts, [1.0, 0.0, 0.5])
+    loss = GRPO(model, tok, group_size=3).calculate_loss(rollouts, [1.0, 0.0, 0.5])
     before = dict(recording)
     loss.backward()  # the recomputation runs Liger's forward again (HF's would save other tensors)
     assert recording["rms_norm"] > before["rms_norm"] and recording["swiglu"] > before["swiglu"]
-    GRPO(plain, tok).calculate_loss(rollouts, [1.0, 0.0, 0.5]).backward()
+    GRPO(plain, tok, group_size=3).calculate_loss(rollouts, [1.0, 0.0, 0.5]).backward()
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
 

@@ -23,7 +23,7 @@ from SimpleTorchLLMRL.model.adapters import use_adapter
 from SimpleTorchLLMRL.model.lora import is_peft_model
 from SimpleTorchLLMRL.model.scoring.head import check_token_ids, check_vocabulary
 from SimpleTorchLLMRL.model.scoring.logprobs import ComputeOptions, Scores, packs, scatter_index, score
-from SimpleTorchLLMRL.model.scoring.packing import PackPlan, packing_kind, plan_packing
+from SimpleTorchLLMRL.model.scoring.packing import PackPlan, plan_packing
 from SimpleTorchLLMRL.model.scoring.shared_prefix import PrefixPlan, first_positions, plan_shared_prefix
 from SimpleTorchLLMRL.trainer.losses import LazyMetrics, LossInputs, LossOutput
 from SimpleTorchLLMRL.utils.warn import warn_user
@@ -209,8 +209,7 @@ class TrainBatch:
             part.token_index = trained_index(part.mask)
             part.prefix_plan = None if self.prefix_plan is None else prefix_plan(part.batch, part.mask)
             plan = self.pack_plan
-            part.pack_plan = None if plan is None else plan_packing(part.mask, part.token_index, plan.kind,
-                                                                    plan.length_buckets)
+            part.pack_plan = None if plan is None else plan_packing(part.mask, part.token_index, plan.length_buckets)
             out.append(part)
         return out
 
@@ -230,7 +229,7 @@ def pack_plan(model, mask: torch.Tensor, token_index: torch.Tensor, compute: Com
     waits for the device. packed=True on a model whose attention cannot take packed rows: ValueError."""
     if not packs(model, compute):
         return None
-    return plan_packing(mask, token_index, packing_kind(model), compute.length_buckets)
+    return plan_packing(mask, token_index, compute.length_buckets)
 
 
 def train_batch(name: str, model, tokenizer, rollouts: list[Rollout], compute: ComputeOptions, *,

@@ -1,26 +1,21 @@
-"""Padding-free batches: the rows of a batch packed side by side, attention kept inside each row.
+"""Padding-free batches: the rows of a batch packed into one, attention kept inside each row.
 
-Legend: B rows, T tokens (padded), R packed rows, C slots per packed row, N scored tokens, H hidden size.
+Legend: B rows, T tokens (padded), L packed slots, S runs, N scored tokens, H hidden size.
 
-A right-padded (B, T) batch of ragged rows spends its body, head and loss on padding. Packed, each
-row's tokens (up to its last scored one) sit in an (R, C) layout with its own position ids 0..n-1
-and an attention that never crosses rows, so the forward runs on real tokens only (plus the slots
-that round a packed row up):
-
-    "mask" (sdpa, eager)   first-fit-decreasing into R rows of C = the longest row (rounded up by
-                           `length_buckets`) slots, a (R, 1, C, C) block-causal mask: the attention
-                           costs R C^2, no more than the padded batch's B T^2
-    "varlen" (flash)       one row, R = 1, C = all rows' tokens: flash-attention's varlen kernel
-                           reads the rows' boundaries (`cu_seq_lens_q` / `_k`, `max_length_q` / `_k`)
+A right-padded (B, T) batch of ragged rows spends its body, head and loss on padding. Packed, the rows'
+tokens (each up to its last scored one) sit one after another in a (1, L) row, each with its own position
+ids 0..n-1, and every attention layer attends within each row only (`packed_attention`: the model's flash
+varlen kernel, torch's on CUDA, else one `scaled_dot_product_attention` per row), so the forward runs on
+real tokens only, plus the slots that round L up (`length_buckets`).
 
 Where each row sits is data (`plan_packing`, a `PackPlan`): finding it waits for the device, so the
-trainer finds it before the forward (`prepare`, `split`) and the forward itself never syncs (the
-mask is built on the device from the plan; HF uses a 4D mask as given, and flash's boundaries come
-precomputed). `packed_hidden_states` is the forward; `packing_kind` says whether a model's attention
-takes packed rows; `check_packing` holds a model's packed forward to its padded one once.
+trainer finds it before the forward (`prepare`, `split`) and the forward itself never syncs (a placeholder
+4D mask keeps HF from building one, whose packed-sequence detection would wait). `packed_hidden_states` is
+the forward; `packing_kind` says whether a model's attention takes packed rows; `check_packing` holds a
+model's packed forward to its padded one once.
 
-`length_buckets` (k): lengths rounded up to one of k sizes per doubling (`bucket`), so a compiled
-body sees a bounded set of shapes over a stream of ragged batches (`torch.compile` of the decoder
+`length_buckets` (k): L and the longest run rounded up to one of k sizes per doubling (`bucket`), so a
+compiled body sees a bounded set of shapes over a stream of ragged batches (`torch.compile` of the decoder
 layers compiles once per shape).
 """
 
@@ -34,14 +29,13 @@ import torch
 from SimpleTorchLLMRL.model.scoring.head import (
     forward_last_logits,
     last_hidden,
-    mask_for_attention,
     maybe_verify_head,
     sliding_window_layers,
     unwrap,
 )
+from SimpleTorchLLMRL.model.scoring.packed_attention import PackedRows, install
 
 _VERIFIED: weakref.WeakSet = weakref.WeakSet()  # models whose packed forward was checked against the padded one
-KINDS = ("mask", "varlen")
 
 
 def bucket(n: int, steps: int | None) -> int:
@@ -52,129 +46,88 @@ def bucket(n: int, steps: int | None) -> int:
     return -(-n // step) * step
 
 
+def _impl(model) -> str | None:
+    return getattr(getattr(unwrap(model), "config", None), "_attn_implementation", None)
+
+
 def packing_kind(model) -> str | None:
-    """How `model`'s attention takes packed rows: "mask" (sdpa / eager, full attention), "varlen" (flash
-    attention), or None (flex or another attention, or sliding-window layers under a mask)."""
+    """How `model`'s attention runs packed rows: "flash" (its flash attention's varlen kernel), "sdpa" (torch's
+    varlen kernel on CUDA in half precision, else one sdpa call per row; for "sdpa" and "eager" models without
+    sliding-window layers), or None (flex or another attention)."""
     from transformers.utils.generic import is_flash_attention_requested
 
-    config = getattr(unwrap(model), "config", None)
-    impl = getattr(config, "_attn_implementation", None)
+    impl = _impl(model)
     if impl is None:
         return None
     if is_flash_attention_requested(requested_attention_implementation=impl):
-        return "varlen"
-    return "mask" if impl in ("sdpa", "eager") and not sliding_window_layers(config) else None
+        return "flash"
+    config = getattr(unwrap(model), "config", None)
+    return "sdpa" if impl in ("sdpa", "eager") and not sliding_window_layers(config) else None
 
 
 def why_not_packed(model) -> str:
     """One line: why `packing_kind(model)` is None."""
-    config = getattr(unwrap(model), "config", None)
-    impl = getattr(config, "_attn_implementation", None)
+    impl = _impl(model)
     if impl in ("sdpa", "eager"):
-        return f"{type(model).__name__} has sliding-window attention layers, which a packed row's mask does not cover"
+        return f"{type(model).__name__} has sliding-window attention layers, which packed rows do not cover"
     return (f"{type(model).__name__}'s attention {impl!r} does not take packed rows (they need \"sdpa\", \"eager\" "
             "or a flash-attention implementation)")
 
 
 class PackPlan(NamedTuple):
-    """Where each row of a (B, T) batch sits in the (R, C) packed layout; found before the forward."""
+    """Where each row of a (B, T) batch sits in the packed (1, L) row; found before the forward."""
 
-    gather: torch.Tensor  # (R * C,) long: the flat position b * T + t each slot holds (0 in a slot that rounds up)
-    position_ids: torch.Tensor  # (R, C) long: each row's own positions 0..n-1 (rounding slots: their own run)
-    segment: torch.Tensor  # (R, C) long: the row each slot belongs to (rounding slots: B + r)
-    index: torch.Tensor  # (N,) long: the slots r * C + c whose hidden states predict the scored tokens
-    cu_seqlens: torch.Tensor  # (S + 1,) int32: the S runs' boundaries in the flattened slots (flash's varlen)
-    max_seqlen: int  # the longest run
-    kind: str  # "mask" or "varlen": the layout it was planned for
+    gather: torch.Tensor  # (L,) long: the flat position b * T + t each slot holds (0 in the rounding slots)
+    position_ids: torch.Tensor  # (1, L) long: each row's own positions 0..n-1 (the rounding slots: their own run)
+    index: torch.Tensor  # (N,) long: the slots whose hidden states predict the scored tokens, in token_index order
+    rows: PackedRows  # the runs' boundaries, as the attention reads them
     length_buckets: int | None  # sizes per doubling its lengths were rounded to (None: exact)
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.position_ids.shape)
+    def length(self) -> int:
+        return int(self.gather.shape[0])
 
 
-def _first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Rows (longest first) into bins of `capacity` slots, each into the first that has room."""
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for b in sorted(range(len(lengths)), key=lambda b: -lengths[b]):
-        r = next((r for r, free in enumerate(room) if lengths[b] <= free), None)
-        if r is None:
-            bins.append([])
-            room.append(capacity)
-            r = len(bins) - 1
-        bins[r].append(b)
-        room[r] -= lengths[b]
-    return bins
-
-
-def plan_packing(mask: torch.Tensor, token_index: torch.Tensor, kind: str = "mask",
-                 length_buckets: int | None = None) -> PackPlan:
+def plan_packing(mask: torch.Tensor, token_index: torch.Tensor, length_buckets: int | None = None) -> PackPlan:
     """The packed layout of a right-padded batch whose scored tokens `mask` (B, T) marks; waits for the device.
 
     token_index (N,): the flat positions b * T + t whose hidden states predict them (position t predicts
     token t + 1). Each row keeps its tokens up to its last scored one (the hidden states past it are
-    never read); kind: "mask" (rows of the longest row's length) or "varlen" (one row)."""
-    if kind not in KINDS:
-        raise ValueError(f"kind={kind!r} is invalid; expected one of {KINDS}")
+    never read); L is their sum rounded up by `length_buckets`, the rounding slots one run of their own."""
     B, T = mask.shape
     cols = torch.arange(T, device=mask.device)
     lengths = torch.where(mask.bool(), cols, 0).amax(-1).clamp(min=1).tolist()  # token t needs inputs 0..t-1
-    if kind == "varlen":
-        bins, C = [list(range(B))], bucket(sum(lengths), length_buckets)
-    else:
-        C = bucket(max(lengths), length_buckets)
-        bins = _first_fit(lengths, C)
-        bins += [[] for _ in range(bucket(len(bins), length_buckets) - len(bins))]
-    gather, positions, segment, runs, base = [], [], [], [0], [0] * B
-    for r, rows in enumerate(bins):
-        for b in rows:
-            base[b] = len(gather) - b * T  # slot of (b, t) = b * T + t + base[b]
-            gather += range(b * T, b * T + lengths[b])
-            positions += range(lengths[b])
-            segment += [b] * lengths[b]
-            runs.append(len(gather))
-        tail = (r + 1) * C - len(gather)
-        if tail:
-            gather += [0] * tail
-            positions += range(tail)
-            segment += [B + r] * tail
-            runs.append(len(gather))
-    device, R = mask.device, len(bins)
-    base_t = torch.tensor(base, device=device)
-    index = token_index + base_t.index_select(0, torch.div(token_index, T, rounding_mode="floor"))
-    steps = [b - a for a, b in zip(runs, runs[1:], strict=False)]
-    return PackPlan(torch.tensor(gather, device=device), torch.tensor(positions, device=device).view(R, C),
-                    torch.tensor(segment, device=device).view(R, C), index,
-                    torch.tensor(runs, dtype=torch.int32, device=device), max(steps), kind, length_buckets)
-
-
-def block_causal_mask(model, segment: torch.Tensor) -> torch.Tensor:
-    """(R, 1, C, C): slot q attends to slot k <= q of its own run, as `model`'s "sdpa" / "eager" attention takes it."""
-    C = segment.shape[1]
-    causal = torch.ones(C, C, dtype=torch.bool, device=segment.device).tril_()
-    allowed = (segment[:, :, None] == segment[:, None, :]) & causal  # (R, C, C)
-    return mask_for_attention(model, allowed[:, None])
+    total = sum(lengths)
+    L = bucket(total, length_buckets)
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    if L > total:
+        bounds.append(L)
+    gather = torch.cat([torch.arange(b * T, b * T + n) for b, n in enumerate(lengths)] + [torch.zeros(L - total,
+                                                                                                    dtype=torch.long)])
+    runs = torch.tensor(bounds)
+    positions = torch.arange(L) - runs[:-1].repeat_interleave(runs.diff())  # (L,) 0..n-1 within each run
+    device = mask.device
+    start = torch.tensor(bounds[:B], device=device) - torch.arange(B, device=device) * T  # slot of (b, t) = b T + t + start[b]
+    index = token_index + start.index_select(0, torch.div(token_index, T, rounding_mode="floor"))
+    longest = bucket(max(b - a for a, b in zip(bounds, bounds[1:], strict=False)), length_buckets)
+    rows = PackedRows(runs.to(device=device, dtype=torch.int32), tuple(bounds), longest)
+    return PackPlan(gather.to(device), positions.to(device)[None], index, rows, length_buckets)
 
 
 def packed_hidden_states(model, input_ids: torch.Tensor, plan: PackPlan, verify: bool = True) -> torch.Tensor:
     """(N, H) final hidden states that predict the scored tokens of a right-padded (B, T) batch, run packed.
 
-    No host sync: the layout (`plan`) was found before, the mask is built on the device."""
-    R, C = plan.shape
-    ids = input_ids.reshape(-1).index_select(0, plan.gather).view(R, C)
-    if plan.kind == "varlen" or packing_kind(model) == "varlen":
-        ids, positions = ids.view(1, R * C), plan.position_ids.view(1, R * C)
-        kwargs = dict(attention_mask=None, cu_seq_lens_q=plan.cu_seqlens, cu_seq_lens_k=plan.cu_seqlens,
-                      max_length_q=plan.max_seqlen, max_length_k=plan.max_seqlen)
-    else:
-        positions = plan.position_ids
-        kwargs = dict(attention_mask=block_causal_mask(model, plan.segment))
-    out = forward_last_logits(model, input_ids=ids, position_ids=positions, output_hidden_states=True,
-                              use_cache=False, **kwargs)
+    No host sync: the layout (`plan`) was found before; a placeholder 4D mask keeps HF from building one."""
+    install(_impl(model))
+    ids = input_ids.reshape(-1).index_select(0, plan.gather)[None]  # (1, L)
+    placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=ids.device)  # read by nothing: `packed_rows` is
+    out = forward_last_logits(model, input_ids=ids, position_ids=plan.position_ids, attention_mask=placeholder,
+                              packed_rows=plan.rows, output_hidden_states=True, use_cache=False)
     maybe_verify_head(model, out, verify)
-    hidden = last_hidden(out)
-    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, plan.index)
+    hidden = last_hidden(out)  # (1, L, H)
+    return hidden[0].index_select(0, plan.index)
 
 
 def check_packing(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_index: torch.Tensor,

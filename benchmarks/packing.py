@@ -1,0 +1,203 @@
+"""Padding-free batches against padded ones: GRPO's loss + backward on ragged completions, and what bucketing and
+regional compilation cost and give (CPU; `gpu_check.py` runs the same on a GPU).
+
+Legend: B rows, P prompt tokens, N new tokens, T padded length, L packed length.
+
+Each case builds B rollouts (a ~P-token prompt, then N random completion ids with sampled log-probs, one group)
+and prepares them once per variant (`GRPO(packed=False)`, `GRPO(packed=True)`, and with `--buckets k` packed
+with `length_buckets=k`); one untimed loss + backward each, then --repeats timed ones, interleaved (padded,
+packed, ... each round) so that load on a shared machine hits all alike. Reported: CPU seconds (`process_time`,
+--threads torch threads; the median), the token slots the body runs (padded B x T, packed L, the real
+tokens), the speedup and the largest loss difference between the variants.
+
+Cases: `spread` (N uniform in [--lo, --hi], the RL case), `equal` (every row N = --hi), and the shapes:
+
+    qwen2.5-0.5b   grpo_vs_trl.py's Qwen2.5-0.5B config (24 layers, hidden 896, 14/2 heads, V = 151,936),
+                   random init, float32; rows sized for a 2-core CPU (--rows 8)
+    tiny           grpo_vs_trl.py's tiny Qwen2 (2 layers, hidden 64, V = 151,936): the head dominates
+
+    uv run python benchmarks/packing.py --shape qwen2.5-0.5b --rows 8 --repeats 3
+    uv run python benchmarks/packing.py --shape tiny --rows 64 --repeats 5
+    uv run python benchmarks/packing.py --compile-stream 12 --shape small   # regional torch.compile, CPU
+
+`--compile-stream S`: S ragged batches (fresh N each) through `GRPO(packed=True)` with each decoder layer
+`torch.compile`d, with and without `--buckets`; reported: the distinct (packed length, longest row) pairs,
+the compiles (dynamo's frame counts), each step's seconds (a compile shows) against eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SHAPES = {  # (layers, hidden, intermediate, heads, kv heads, vocab)
+    "qwen2.5-0.5b": (24, 896, 4864, 14, 2, 151_936),
+    "small": (4, 256, 1024, 4, 2, 4096),
+    "tiny": (2, 64, 128, 4, 2, 151_936),
+}
+
+
+def build(shape: str, layers: int | None):
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from SimpleTorchLLMRL.testing.tiny import tiny_tokenizer
+
+    layers_, hidden, inter, heads, kv, V = SHAPES[shape]
+    tok = tiny_tokenizer("chatml")
+    config = Qwen2Config(vocab_size=V, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers or layers_,
+                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=32_768,
+                         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return tok, AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+
+
+def rollouts(rows: int, lengths: list[int], vocab: int, seed: int):
+    """`rows` rollouts of one prompt (a group), completion i of lengths[i] random ids with sampled log-probs."""
+    import torch
+
+    from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+
+    gen = torch.Generator().manual_seed(seed)
+    prompt = "What is 12 + 35? Think step by step, then answer in \\boxed{}."
+    out = []
+    for n in lengths[:rows]:
+        ids = torch.randint(0, min(vocab, 500), (n,), generator=gen).tolist()
+        logprobs = (-5.0 * torch.rand(n, generator=gen, dtype=torch.float64)).tolist()
+        out.append(Rollout([Message(prompt), Message("", MessageType.MODEL, token_ids=ids, logprobs=logprobs)],
+                           metadata={"group_id": 0}))
+    return out
+
+
+def lengths_for(case: str, rows: int, lo: int, hi: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [hi] * rows if case == "equal" else [rng.randint(lo, hi) for _ in range(rows)]
+
+
+def _step(grpo, tb) -> tuple[float, float]:
+    import time as t
+
+    c0 = t.process_time()
+    loss = grpo.calculate_loss(tb)
+    loss.backward()
+    seconds = t.process_time() - c0
+    grpo.model.zero_grad(set_to_none=True)
+    return seconds, float(loss.detach())
+
+
+def run_case(model, tok, case: str, a) -> dict:
+    from SimpleTorchLLMRL.trainer.grpo import GRPO
+
+    lengths = lengths_for(case, a.rows, a.lo, a.hi, a.seed)
+    batch = rollouts(a.rows, lengths, model.config.vocab_size, a.seed)
+    variants = {"padded": dict(packed=False), "packed": dict(packed=True)}
+    if a.buckets:
+        variants[f"packed_b{a.buckets}"] = dict(packed=True, length_buckets=a.buckets)
+    sides = {}
+    for name, opts in variants.items():
+        grpo = GRPO(model, tok, group_size=a.rows, temperature=1.0, **opts)
+        tb = grpo.prepare(batch, [float(i % 2) for i in range(a.rows)])
+        B, T = tb.input_ids.shape
+        plan = tb.pack_plan
+        sides[name] = {"grpo": grpo, "tb": tb, "slots": B * T if plan is None else plan.length,
+                       "layout": [B, T] if plan is None else [1, plan.length],
+                       "times": [], "loss": _step(grpo, tb)[1]}  # warm-up
+    for _ in range(a.repeats):
+        for side in sides.values():
+            side["times"].append(_step(side["grpo"], side["tb"])[0])
+    tb = sides["padded"]["tb"]
+    real = int(tb.batch.attention_mask.sum())
+    out = {"case": case, "rows": a.rows, "new_tokens": lengths, "real_tokens": real,
+           "trained_tokens": int(tb.mask.sum())}
+    for name, side in sides.items():
+        out[name] = {"cpu_s": statistics.median(side["times"]), "all_cpu_s": side["times"], "slots": side["slots"],
+                     "layout": side["layout"], "loss": side["loss"]}
+    out["speedup"] = {name: out["padded"]["cpu_s"] / out[name]["cpu_s"] for name in variants if name != "padded"}
+    out["max_loss_diff"] = max(abs(out[n]["loss"] - out["padded"]["loss"]) for n in variants)
+    return out
+
+
+def compile_stream(model, tok, a) -> dict:
+    """Regional compile (each decoder layer) over a stream of ragged packed batches, exact and bucketed lengths."""
+    import torch
+
+    from SimpleTorchLLMRL.trainer.grpo import GRPO
+
+    batches = [rollouts(a.rows, lengths_for("spread", a.rows, a.lo, a.hi, a.seed + s), model.config.vocab_size,
+                        a.seed + s) for s in range(a.compile_stream)]
+    eager = GRPO(model, tok, group_size=a.rows, temperature=1.0, packed=True)
+    eager_s = [_step(eager, eager.prepare(b, [float(i % 2) for i in range(a.rows)]))[0] for b in batches]
+    for layer in model.model.layers:
+        layer.compile(dynamic=False)
+    out = {"eager_cpu_s": eager_s}
+    for buckets in (None, a.buckets or 4):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        grpo = GRPO(model, tok, group_size=a.rows, temperature=1.0, packed=True, length_buckets=buckets)
+        shapes, times = [], []
+        for b in batches:
+            tb = grpo.prepare(b, [float(i % 2) for i in range(a.rows)])
+            shapes.append([tb.pack_plan.length, tb.pack_plan.rows.max_seqlen])
+            times.append(_step(grpo, tb)[0])
+        frames = dict(torch._dynamo.utils.counters["frames"])
+        out[f"buckets_{buckets}"] = {"shapes": shapes, "distinct_shapes": len({tuple(s) for s in shapes}),
+                                     "dynamo_frames": frames, "cpu_s": times}
+    for layer in model.model.layers:  # back to eager for whatever runs next
+        layer._compiled_call_impl = None
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    ap.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--lo", type=int, default=16, help="fewest new tokens of the spread case")
+    ap.add_argument("--hi", type=int, default=512, help="most new tokens (every row's in the equal case)")
+    ap.add_argument("--cases", nargs="+", choices=("spread", "equal"), default=["spread", "equal"])
+    ap.add_argument("--buckets", type=int, default=None, help="also packed with length_buckets=k")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile-stream", type=int, default=0, help="S ragged batches through compiled layers")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(a.threads)
+    tok, model = build(a.shape, a.layers)
+    res = {"shape": a.shape, "layers": model.config.num_hidden_layers, "threads": a.threads,
+           "torch": torch.__version__, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cases": []}
+    if a.compile_stream:
+        res["compile_stream"] = compile_stream(model, tok, a)
+        print(json.dumps(res["compile_stream"], indent=1))
+    else:
+        print(f"{a.shape} ({res['layers']} layers), {a.rows} rows, float32, {a.threads} thread(s), CPU seconds of "
+              f"loss + backward, median of {a.repeats} interleaved")
+        print("| case | variant | layout | token slots (real) | CPU s | speedup |")
+        print("|---|---|---|---:|---:|---:|")
+        for case in a.cases:
+            r = run_case(model, tok, case, a)
+            res["cases"].append(r)
+            for name in [k for k in r if k == "padded" or k.startswith("packed")]:
+                v = r[name]
+                speed = "1.00" if name == "padded" else f"{r['speedup'][name]:.2f}"
+                print(f"| {case} | {name} | {' x '.join(map(str, v['layout']))} | {v['slots']:,} ({r['real_tokens']:,})"
+                      f" | {v['cpu_s']:.2f} | {speed}x |", flush=True)
+            print(f"  largest loss difference against padded: {r['max_loss_diff']:.1e}", flush=True)
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
