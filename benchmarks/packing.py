@@ -59,14 +59,14 @@ def build(shape: str, layers: int | None):
     return tok, AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
 
 
-def rollouts(rows: int, lengths: list[int], vocab: int, seed: int):
+def rollouts(rows: int, lengths: list[int], vocab: int, seed: int, question: int = 0):
     """`rows` rollouts of one prompt (a group), completion i of lengths[i] random ids with sampled log-probs."""
     import torch
 
     from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
 
     gen = torch.Generator().manual_seed(seed)
-    prompt = "What is 12 + 35? Think step by step, then answer in \\boxed{}."
+    prompt = f"What is {question + 12} + {3 * question + 35}? Think step by step, then answer in \\boxed{{}}."
     out = []
     for n in lengths[:rows]:
         ids = torch.randint(0, min(vocab, 500), (n,), generator=gen).tolist()
@@ -126,33 +126,150 @@ def run_case(model, tok, case: str, a) -> dict:
     return out
 
 
-def compile_stream(model, tok, a) -> dict:
-    """Regional compile (each decoder layer) over a stream of ragged packed batches, exact and bucketed lengths."""
+def ragged_batches(rows: int, steps: int, lo: int, hi: int, vocab: int, group: int, seed: int = 0) -> list[list]:
+    """`steps` batches of `rows` rollouts in groups of `group` (a prompt each), new tokens uniform in [lo, hi]."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for s in range(steps):
+        batch = []
+        for g in range(rows // group):
+            for r in rollouts(group, [rng.randint(lo, hi) for _ in range(group)], vocab, seed * 1000 + s * 100 + g,
+                              question=g):
+                r.metadata["group_id"] = g
+                batch.append(r)
+        out.append(batch)
+    return out
+
+
+def stream(model, tok, batches: list[list], buckets: int | None, device: str = "cpu") -> dict:
+    """Each batch through `GRPO(packed=True, length_buckets=buckets)`: its (packed length, longest row), seconds of
+    loss + backward (wall; CPU time too on CPU), and dynamo's counts (the compiles) after dynamo is reset."""
     import torch
 
     from SimpleTorchLLMRL.trainer.grpo import GRPO
 
-    batches = [rollouts(a.rows, lengths_for("spread", a.rows, a.lo, a.hi, a.seed + s), model.config.vocab_size,
-                        a.seed + s) for s in range(a.compile_stream)]
-    eager = GRPO(model, tok, group_size=a.rows, temperature=1.0, packed=True)
-    eager_s = [_step(eager, eager.prepare(b, [float(i % 2) for i in range(a.rows)]))[0] for b in batches]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    group = sum(1 for r in batches[0] if r.metadata["group_id"] == 0)
+    grpo = GRPO(model, tok, group_size=group, temperature=1.0, packed=True, length_buckets=buckets)
+    shapes, wall, cpu, errors = [], [], [], []
+    for b in batches:
+        tb = grpo.prepare(b, [float(i % 2) for i in range(len(b))])
+        shapes.append([tb.pack_plan.length, tb.pack_plan.rows.max_seqlen])
+        c0 = time.process_time()
+        wall.append(_timed(grpo, tb, device, errors))
+        cpu.append(time.process_time() - c0)
+    counters = torch._dynamo.utils.counters
+    return {"shapes": shapes, "distinct_shapes": len({tuple(x) for x in shapes}), "wall_s": wall, "cpu_s": cpu,
+            "dynamo_frames": dict(counters["frames"]), "recompiles": dict(counters["recompiles"]),
+            "cuda_sync_debug_errors": errors}
+
+
+def compile_stream(model, tok, a) -> dict:
+    """The CLI's --compile-stream: eager, then each decoder layer compiled (static shapes), exact and bucketed."""
+    batches = ragged_batches(a.rows, a.compile_stream, a.lo, a.hi, model.config.vocab_size, a.rows, a.seed)
+    out = {"eager": stream(model, tok, batches, None)}
     for layer in model.model.layers:
         layer.compile(dynamic=False)
-    out = {"eager_cpu_s": eager_s}
     for buckets in (None, a.buckets or 4):
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
-        grpo = GRPO(model, tok, group_size=a.rows, temperature=1.0, packed=True, length_buckets=buckets)
-        shapes, times = [], []
-        for b in batches:
-            tb = grpo.prepare(b, [float(i % 2) for i in range(a.rows)])
-            shapes.append([tb.pack_plan.length, tb.pack_plan.rows.max_seqlen])
-            times.append(_step(grpo, tb)[0])
-        frames = dict(torch._dynamo.utils.counters["frames"])
-        out[f"buckets_{buckets}"] = {"shapes": shapes, "distinct_shapes": len({tuple(s) for s in shapes}),
-                                     "dynamo_frames": frames, "cpu_s": times}
+        out[f"buckets_{buckets}"] = stream(model, tok, batches, buckets)
     for layer in model.model.layers:  # back to eager for whatever runs next
         layer._compiled_call_impl = None
+    return out
+
+
+# ----------------------------------------------------------------------------- gpu_check.py's "packing" part
+
+
+def _timed(grpo, tb, device: str, errors: list) -> float:
+    """Seconds of one loss + backward; on CUDA under set_sync_debug_mode("error") (a sync is recorded in `errors`,
+    the step rerun without the check)."""
+    import torch
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    try:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        grpo.calculate_loss(tb).backward()
+    except RuntimeError as e:
+        errors.append(f"{e}"[-1000:])
+        torch.cuda.set_sync_debug_mode("default")
+        grpo.model.zero_grad(set_to_none=True)
+        grpo.calculate_loss(tb).backward()
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    sync()
+    seconds = time.perf_counter() - t0
+    grpo.model.zero_grad(set_to_none=True)
+    return seconds
+
+
+def gpu_part(device: str, smoke: bool, repeats: int = 3) -> dict:
+    """Packed against padded loss + backward at the GPU check's shape (16 prompts x 8 completions, the Qwen2.5-0.5B
+    config, bf16) with completions of 16-512 new tokens (uniform): seconds, peak memory, MFU on the real tokens,
+    the packed log-probs against the padded ones; variants padded (as TRL), padded with each prompt once
+    (`share_prefix`, what the step part's "ours" runs), packed, packed with length_buckets=4."""
+    import grpo_sides as sides
+    import torch
+    from gpu_step import forward_flops_per_token, matmul_rate
+
+    from SimpleTorchLLMRL.trainer.grpo import GRPO
+
+    shape, (lo, hi) = ("tiny", (4, 24)) if smoke else ("qwen2.5-0.5b-gpu", (16, 512))
+    sides.env()
+    sides.configure(shape, device, "bfloat16")
+    vocab = 512 if smoke else sides.QWEN25_05B["vocab_size"]
+    tok, model = sides.build(vocab)
+    model.train()
+    U, G = (2, 4) if smoke else (sides.RUN.shape.prompts, sides.RUN.shape.group)
+    gen = torch.Generator().manual_seed(0)
+    batch = []
+    for g in range(U):
+        lengths = [int(n) for n in torch.randint(lo, hi + 1, (G,), generator=gen)]
+        for r in rollouts(G, lengths, vocab, seed=g, question=g):
+            r.metadata["group_id"] = g
+            batch.append(r)
+    rewards = torch.rand(len(batch), generator=gen)
+    variants = {"padded": dict(packed=False), "padded_shared": dict(packed=False, share_prefix=True),
+                "packed": dict(packed=True), "packed_b4": dict(packed=True, length_buckets=4)}
+    errors: list[str] = []
+    out, runs = {"device": device, "rows": len(batch), "new_tokens": [lo, hi]}, {}
+    for name, opts in variants.items():
+        grpo = GRPO(model, tok, beta=0.0, group_size=G, temperature=1.0, **opts)
+        tb = grpo.prepare(batch, rewards)
+        first = grpo.compute(tb)  # the once-per-model checks; the log-probs compared below
+        first.loss.backward()
+        model.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        _timed(grpo, tb, device, errors)
+        runs[name] = (grpo, tb, first.token_logprobs)
+        out[name] = {"peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None,
+                     "slots": tb.pack_plan.length if tb.pack_plan is not None else int(tb.input_ids.numel()),
+                     "seconds": []}
+    for _ in range(repeats):  # interleaved
+        for name, (grpo, tb, _) in runs.items():
+            out[name]["seconds"].append(_timed(grpo, tb, device, errors))
+    tb = runs["padded"][1]
+    real, trained = int(tb.batch.attention_mask.sum()), tb.mask.bool()
+    cfg = dict(sides.QWEN25_05B) if not smoke else {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 512,
+                                                     "intermediate_size": 128, "num_attention_heads": 4,
+                                                     "num_key_value_heads": 2}
+    flops = 3 * forward_flops_per_token(cfg, real / len(batch) / 2) * real  # counted on real tokens
+    peak = matmul_rate(torch.device(device), torch.bfloat16, n=256 if smoke else 8192, iters=2 if smoke else 20)
+    base = runs["padded"][2]
+    for name in variants:
+        best = min(out[name]["seconds"])
+        out[name].update(best_s=best, mfu_real_tokens=flops / best / peak,
+                         speedup_vs_padded=min(out["padded"]["seconds"]) / best,
+                         logp_max_abs_vs_padded=float((runs[name][2] - base)[trained].abs().max()))
+    out.update(real_tokens=real, trained_tokens=int(trained.sum()), cuda_sync_debug_errors=errors,
+               measured_bf16_matmul_tflops=peak / 1e12)
     return out
 
 
