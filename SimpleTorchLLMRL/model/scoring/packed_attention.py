@@ -12,7 +12,8 @@ decode, a padded batch, another model) runs the wrapped function unchanged.
     flash attention (the model's)   its varlen kernel, with `cu_seq_lens_q` / `_k`, `max_length_q` / `_k`
     CUDA, bf16 / fp16               torch's own flash varlen kernel (`torch.nn.attention.varlen.varlen_attn`)
     otherwise (CPU, float32)        `scaled_dot_product_attention` on each run (the runs' boundaries are host
-                                    ints: no sync; kept out of `torch.compile`'s graphs)
+                                    ints: no sync; kept out of `torch.compile`'s graphs; on CUDA, where the plan
+                                    keeps them on the device only, reading them waits once per layer)
 
 So the attention costs the sum over rows of n^2, not L^2, and nothing is padded but the rounding run.
 """
@@ -30,7 +31,7 @@ class PackedRows(NamedTuple):
     """The runs of one packed row, as the attention reads them."""
 
     cu_seqlens: torch.Tensor  # (S + 1,) int32 on the device: run boundaries
-    bounds: tuple[int, ...]  # the same on the host
+    bounds: tuple[int, ...] | None  # the same on the host; None on CUDA (a compiled layer would specialize on them)
     max_seqlen: int  # at least the longest run (rounded up with the lengths: fewer shapes to compile)
 
 
@@ -58,9 +59,10 @@ def _torch_varlen(query, key, value, rows: PackedRows, scaling) -> torch.Tensor:
 def _each_run(query, key, value, rows: PackedRows, scaling, dropout: float) -> torch.Tensor:
     """(1, Hq, L, D) -> (1, L, Hq, D): causal `scaled_dot_product_attention` on each run."""
     gqa = query.shape[1] != key.shape[1]
+    bounds = rows.bounds if rows.bounds is not None else rows.cu_seqlens.tolist()  # CUDA in float32: waits
     parts = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout,
                                             is_causal=True, scale=scaling, enable_gqa=gqa)
-             for a, b in zip(rows.bounds, rows.bounds[1:], strict=False)]
+             for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
     return torch.cat(parts, dim=2).transpose(1, 2)
 
 

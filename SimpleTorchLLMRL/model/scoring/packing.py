@@ -93,7 +93,8 @@ def plan_packing(mask: torch.Tensor, token_index: torch.Tensor, length_buckets: 
 
     token_index (N,): the flat positions b * T + t whose hidden states predict them (position t predicts
     token t + 1). Each row keeps its tokens up to its last scored one (the hidden states past it are
-    never read); L is their sum rounded up by `length_buckets`, the rounding slots one run of their own."""
+    never read); L is their sum rounded up by `length_buckets`, the rounding slots one run of their own
+    (empty when nothing is rounded)."""
     B, T = mask.shape
     cols = torch.arange(T, device=mask.device)
     lengths = torch.where(mask.bool(), cols, 0).amax(-1).clamp(min=1).tolist()  # token t needs inputs 0..t-1
@@ -102,17 +103,17 @@ def plan_packing(mask: torch.Tensor, token_index: torch.Tensor, length_buckets: 
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + n)
-    if L > total:
-        bounds.append(L)
+    bounds.append(L)  # the rounding slots' run, empty without rounding: B + 2 boundaries, one shape per B
     gather = torch.cat([torch.arange(b * T, b * T + n) for b, n in enumerate(lengths)] + [torch.zeros(L - total,
                                                                                                     dtype=torch.long)])
     runs = torch.tensor(bounds)
     positions = torch.arange(L) - runs[:-1].repeat_interleave(runs.diff())  # (L,) 0..n-1 within each run
     device = mask.device
-    start = torch.tensor(bounds[:B], device=device) - torch.arange(B, device=device) * T  # slot of (b, t) = b T + t + start[b]
+    start = torch.tensor(bounds[:B], device=device) - torch.arange(B, device=device) * T  # slot (b, t): b T + t + start
     index = token_index + start.index_select(0, torch.div(token_index, T, rounding_mode="floor"))
     longest = bucket(max(b - a for a, b in zip(bounds, bounds[1:], strict=False)), length_buckets)
-    rows = PackedRows(runs.to(device=device, dtype=torch.int32), tuple(bounds), longest)
+    host = None if device.type == "cuda" else tuple(bounds)  # on CUDA a compiled layer would specialize on them
+    rows = PackedRows(runs.to(device=device, dtype=torch.int32), host, longest)
     return PackPlan(gather.to(device), positions.to(device)[None], index, rows, length_buckets)
 
 
