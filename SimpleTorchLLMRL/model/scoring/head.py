@@ -176,6 +176,27 @@ def right_padded_attention(model, attention_mask: torch.Tensor | None) -> torch.
     return attention_mask if causal is None else causal
 
 
+def in_eval_without_grad(model, fn):
+    """fn() without grad, `model` in eval mode (dropout would make two forwards differ), its mode restored."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return fn()
+    finally:
+        model.train(was_training)
+
+
+def check_same_states(model, got: torch.Tensor, plain: torch.Tensor, problem: str) -> None:
+    """ValueError "<model>: <problem> (max abs difference ...)" when hidden states `got` differ from the plain
+    forward's `plain` (both (n, H), float32 or better) beyond the model's dtype's rounding."""
+    tol = {torch.float32: 1e-4, torch.float64: 1e-6}.get(plain.dtype, 5e-2)  # HF norms upcast to float32
+    got, plain = got.float(), plain.float()
+    err = float((got - plain).abs().max()) if plain.numel() else 0.0
+    if not err <= tol * (1 + float(plain.abs().max())):
+        raise ValueError(f"{type(model).__name__}: {problem.format(err=f'{err:.3g}')}")
+
+
 def maybe_verify_head(model, out, verify: bool) -> None:
     logits = getattr(out, "logits", None)
     if verify and logits is not None and unwrap(model) not in _VERIFIED:

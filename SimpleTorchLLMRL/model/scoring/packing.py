@@ -27,7 +27,10 @@ from typing import NamedTuple
 import torch
 
 from SimpleTorchLLMRL.model.scoring.head import (
+    check_same_states,
+    final_hidden_states,
     forward_last_logits,
+    in_eval_without_grad,
     last_hidden,
     maybe_verify_head,
     sliding_window_layers,
@@ -135,26 +138,18 @@ def check_packing(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
                   plan: PackPlan) -> None:
     """Once per model: the packed forward's hidden states equal the padded forward's at the scored tokens.
 
-    Both without grad in eval mode; ValueError naming the model when they differ (an attention or a
-    position embedding that does not read the packed rows' mask and position ids)."""
+    Both without grad in eval mode; ValueError naming the model when they differ (an attention that does
+    not go through transformers' registry, or positions it ignores)."""
     if model in _VERIFIED:
         return
-    from SimpleTorchLLMRL.model.scoring.head import final_hidden_states
+    B, T = input_ids.shape
 
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            packed = packed_hidden_states(model, input_ids, plan, verify=False).float()
-            B, T = input_ids.shape
-            plain = final_hidden_states(model, input_ids, attention_mask, verify=False).reshape(B * T, -1)
-            plain = plain.index_select(0, token_index).float()
-    finally:
-        model.train(was_training)
-    tol = {torch.float32: 1e-4, torch.float64: 1e-6}.get(next(model.parameters()).dtype, 5e-2)
-    err = float((packed - plain).abs().max()) if plain.numel() else 0.0
-    if not err <= tol * (1 + float(plain.abs().max())):
-        raise ValueError(f"{type(model).__name__}: packed rows give other hidden states than the padded batch (max "
-                         f"abs difference {err:.3g}); its attention or positions do not follow the packed rows' mask "
-                         "and position ids. Use packed=False.")
+    def both():
+        plain = final_hidden_states(model, input_ids, attention_mask, verify=False).reshape(B * T, -1)
+        return packed_hidden_states(model, input_ids, plan, verify=False), plain.index_select(0, token_index)
+
+    packed, plain = in_eval_without_grad(model, both)
+    check_same_states(model, packed, plain, "packed rows give other hidden states than the padded batch (max abs "
+                      "difference {err}); its attention or positions do not follow the packed rows' boundaries "
+                      "and position ids. Use packed=False.")
     _VERIFIED.add(model)
