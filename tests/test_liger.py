@@ -119,10 +119,12 @@ def test_the_decode_runs_hfs_modules_and_the_trainer_ligers(recording, chatml_to
     plain = copy.deepcopy(model)
     apply_liger_kernels(model)
 
-    def decode(m):
-        rollouts = _rollouts(tok)
-        ModelGenerate(m, tok, max_new_tokens=6, do_sample=False).batch_rollout_generate_response(rollouts)
-        return [r[-1].token_ids for r in rollouts]
+    def decode(m):  # a group of 2 per prompt too: the HF backend prefills each prompt once (`_shared_prefill`)
+        rollouts, group = _rollouts(tok), [r.copy() for r in _rollouts(tok)[:1]]
+        gen = ModelGenerate(m, tok, max_new_tokens=6, do_sample=False)
+        gen.batch_rollout_generate_response(rollouts)
+        grouped = gen.group_rollout_generate_response(group, n=2)
+        return [r[-1].token_ids for r in rollouts + grouped]
 
     assert decode(model) == decode(plain)
     with torch.no_grad():

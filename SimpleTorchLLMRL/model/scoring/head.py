@@ -12,6 +12,7 @@ once per model that the head really gives its logits; `shared_prefix` runs a gro
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -122,19 +123,26 @@ class _Scoring:
 
 def in_scoring_forward() -> bool:
     """Whether a forward of `model.scoring` (the trainer's, with or without grad) is running: where the
-    training-only body kernels run (`model.scoring.liger`)."""
+    training-only body kernels run (`model.scoring.liger`); the decode's forwards are not."""
     return _Scoring.depth > 0
+
+
+@contextlib.contextmanager
+def scoring_forward():
+    """Marks the forwards inside as the trainer's (`in_scoring_forward`)."""
+    _Scoring.depth += 1
+    try:
+        yield
+    finally:
+        _Scoring.depth -= 1
 
 
 def forward_last_logits(model, **kwargs):
     """model(**kwargs) with its head scoring only the last position (`logits_to_keep=1`) where it can."""
-    _Scoring.depth += 1
     try:
         return model(**kwargs, logits_to_keep=1)
     except TypeError:  # a model without logits_to_keep: pays for its full logits
         return model(**kwargs)
-    finally:
-        _Scoring.depth -= 1
 
 
 def last_hidden(out) -> torch.Tensor:
@@ -155,8 +163,9 @@ def final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Te
     A group's shared prompt run once: `shared_prefix.shared_hidden_states`.
     """
     mask = right_padded_attention(model, attention_mask) if right_padded else attention_mask
-    out = forward_last_logits(model, input_ids=input_ids, attention_mask=mask, output_hidden_states=True,
-                              use_cache=False)
+    with scoring_forward():
+        out = forward_last_logits(model, input_ids=input_ids, attention_mask=mask, output_hidden_states=True,
+                                  use_cache=False)
     maybe_verify_head(model, out, verify)
     return last_hidden(out)
 

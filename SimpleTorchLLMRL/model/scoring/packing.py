@@ -33,6 +33,7 @@ from SimpleTorchLLMRL.model.scoring.head import (
     in_eval_without_grad,
     last_hidden,
     maybe_verify_head,
+    scoring_forward,
     sliding_window_layers,
     unwrap,
 )
@@ -127,8 +128,9 @@ def packed_hidden_states(model, input_ids: torch.Tensor, plan: PackPlan, verify:
     install(_impl(model))
     ids = input_ids.reshape(-1).index_select(0, plan.gather)[None]  # (1, L)
     placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=ids.device)  # read by nothing: `packed_rows` is
-    out = forward_last_logits(model, input_ids=ids, position_ids=plan.position_ids, attention_mask=placeholder,
-                              packed_rows=plan.rows, output_hidden_states=True, use_cache=False)
+    with scoring_forward():
+        out = forward_last_logits(model, input_ids=ids, position_ids=plan.position_ids, attention_mask=placeholder,
+                                  packed_rows=plan.rows, output_hidden_states=True, use_cache=False)
     maybe_verify_head(model, out, verify)
     hidden = last_hidden(out)  # (1, L, H)
     return hidden[0].index_select(0, plan.index)

@@ -43,6 +43,7 @@ from SimpleTorchLLMRL.model.scoring.head import (
     in_eval_without_grad,
     last_hidden,
     maybe_verify_head,
+    scoring_forward,
 )
 
 _VERIFIED: weakref.WeakSet = weakref.WeakSet()  # models whose shared forward was checked against the plain one
@@ -122,6 +123,13 @@ def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: 
     plan = plan if plan is not None else plan_shared_prefix(input_ids, attention_mask, start)
     if plan.group is None or getattr(model, "is_gradient_checkpointing", False):
         return None
+    with scoring_forward():
+        return _prefix_then_suffixes(model, input_ids, attention_mask, start, plan)
+
+
+def _prefix_then_suffixes(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: torch.Tensor,
+                          plan: PrefixPlan):
+    """`shared_prefix_hidden_states`' two forwards: the U prefixes with a cache, then the B suffixes against it."""
     group, own, P, S = plan.group, plan.owner, plan.prefix_len, plan.suffix_len
     device = input_ids.device
     lengths = attention_mask.sum(-1)  # (B,) right-padded: real tokens first
@@ -167,8 +175,10 @@ def check_shared_prefix(model, input_ids: torch.Tensor, attention_mask: torch.Te
         shared = shared_prefix_hidden_states(model, input_ids, attention_mask, start)
         if shared is None:
             return None
-        return shared[0], last_hidden(forward_last_logits(model, input_ids=input_ids, attention_mask=attention_mask,
-                                                          output_hidden_states=True, use_cache=False))
+        with scoring_forward():
+            out = forward_last_logits(model, input_ids=input_ids, attention_mask=attention_mask,
+                                      output_hidden_states=True, use_cache=False)
+        return shared[0], last_hidden(out)
 
     pair = in_eval_without_grad(model, both)
     if pair is None:
