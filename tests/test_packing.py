@@ -251,6 +251,24 @@ def test_a_model_that_fails_the_packed_check_pads_under_none_and_is_refused_unde
         drop.remove()
 
 
+def test_a_packed_forward_that_raises_pads_under_none_and_raises_under_true(monkeypatch):
+    """A kernel that fails on the device (here: the per-row attention raising) must not end a run that did not ask
+    for packing: the check's failure warns and the model pads."""
+    from SimpleTorchLLMRL.model.scoring import packed_attention
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(packed_attention, "_each_run", broken)
+    model, tok = _model("llama", "llama3")
+    rollouts = _ragged(model, tok)
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        GRPO(model, tok, packed=True).calculate_loss(rollouts, REWARDS)
+    with pytest.warns(UserWarning, match=r"packed forward failed its check.*RuntimeError: no kernel image.*padded"):
+        loss = GRPO(model, tok).calculate_loss(rollouts, REWARDS)
+    torch.testing.assert_close(loss, GRPO(model, tok, packed=False).calculate_loss(rollouts, REWARDS), rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- the layout
 
 

@@ -267,7 +267,8 @@ def packs(model, compute: ComputeOptions, batch=None) -> bool:
     """Whether `model` runs packed rows under `compute.packed` (True: it must; None: where its attention can).
 
     With a batch, its plan is checked against the padded forward once per model (`check_packing`): under
-    None a model that fails pads from then on, under True it is a ValueError."""
+    None a model that differs, or whose packed forward raises, warns and pads from then on; under True the
+    error is raised."""
     if compute.packed is False or compute.share_prefix:
         return False
     if packing_kind(model) is None:
@@ -278,10 +279,11 @@ def packs(model, compute: ComputeOptions, batch=None) -> bool:
         return model not in _UNPACKABLE
     try:
         check_packing(model, batch.input_ids, batch.attention_mask, batch.token_index, batch.pack_plan)
-    except ValueError as e:
+    except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:  # a kernel that fails here too
         if compute.packed:
             raise
-        warn_user(f"{e} Running it padded (packed=None).")
+        warn_user(f"{type(model).__name__}: its packed forward failed its check against the padded one "
+                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Running it padded (packed=None).")
         _UNPACKABLE.add(model)
         return False
     return True
