@@ -222,8 +222,9 @@ def test_a_model_whose_attention_cannot_pack_is_refused_under_true_and_padded_un
     model = AutoModelForCausalLM.from_config(config).double()
     assert packing_kind(model) is None
     rollouts = _ragged(model, tok)
-    with pytest.raises(ValueError, match=r"^packed=True: Qwen2ForCausalLM has sliding-window attention layers"):
+    with pytest.raises(ValueError, match=r"^packed=True: Qwen2ForCausalLM has sliding-window attention layers") as e:
         GRPO(model, tok, packed=True).prepare(rollouts, REWARDS)
+    assert "\n" not in str(e.value)  # one line
     tb = GRPO(model, tok).prepare(rollouts, REWARDS)
     assert tb.pack_plan is None
     with pytest.raises(ValueError, match=r"attention 'flex_attention' does not take packed rows"):

@@ -111,6 +111,7 @@ def plan_shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, st
     return PrefixPlan(start, group, own, int(start[own].max()), int((lengths - start).max()))
 
 
+@scoring_forward()  # the trainer's forwards (`head.in_scoring_forward`)
 def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                 start: torch.Tensor, plan: PrefixPlan | None = None):
     """(B, T, H) final hidden states of a right-padded batch, exact from `start` on, 0 before it.
@@ -123,13 +124,6 @@ def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: 
     plan = plan if plan is not None else plan_shared_prefix(input_ids, attention_mask, start)
     if plan.group is None or getattr(model, "is_gradient_checkpointing", False):
         return None
-    with scoring_forward():
-        return _prefix_then_suffixes(model, input_ids, attention_mask, start, plan)
-
-
-def _prefix_then_suffixes(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: torch.Tensor,
-                          plan: PrefixPlan):
-    """`shared_prefix_hidden_states`' two forwards: the U prefixes with a cache, then the B suffixes against it."""
     group, own, P, S = plan.group, plan.owner, plan.prefix_len, plan.suffix_len
     device = input_ids.device
     lengths = attention_mask.sum(-1)  # (B,) right-padded: real tokens first
@@ -173,12 +167,7 @@ def check_shared_prefix(model, input_ids: torch.Tensor, attention_mask: torch.Te
 
     def both():
         shared = shared_prefix_hidden_states(model, input_ids, attention_mask, start)
-        if shared is None:
-            return None
-        with scoring_forward():
-            out = forward_last_logits(model, input_ids=input_ids, attention_mask=attention_mask,
-                                      output_hidden_states=True, use_cache=False)
-        return shared[0], last_hidden(out)
+        return None if shared is None else (shared[0], final_hidden_states(model, input_ids, attention_mask, False))
 
     pair = in_eval_without_grad(model, both)
     if pair is None:
