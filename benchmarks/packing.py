@@ -10,14 +10,16 @@ packed, ... each round) so that load on a shared machine hits all alike. Reporte
 --threads torch threads; the median), the token slots the body runs (padded B x T, packed L, the real
 tokens), the speedup and the largest loss difference between the variants.
 
-Cases: `spread` (N uniform in [--lo, --hi], the RL case), `equal` (every row N = --hi), and the shapes:
+Cases: `spread` (N uniform in [--lo, --hi], the RL case; `--even`: evenly spaced from --lo to --hi), `equal`
+(every row N = --hi), and the shapes:
 
     qwen2.5-0.5b   grpo_vs_trl.py's Qwen2.5-0.5B config (24 layers, hidden 896, 14/2 heads, V = 151,936),
-                   random init, float32; rows sized for a 2-core CPU (--rows 8)
+                   random init, float32; rows sized for a 2-core CPU (docs/benchmarks.md: 4 and 2 rows)
     tiny           grpo_vs_trl.py's tiny Qwen2 (2 layers, hidden 64, V = 151,936): the head dominates
 
-    uv run python benchmarks/packing.py --shape qwen2.5-0.5b --rows 8 --repeats 3
-    uv run python benchmarks/packing.py --shape tiny --rows 64 --repeats 5
+    uv run python benchmarks/packing.py --shape qwen2.5-0.5b --rows 4 --even --repeats 1 --cases spread --threads 2
+    uv run python benchmarks/packing.py --shape qwen2.5-0.5b --rows 2 --repeats 1 --cases equal --threads 2
+    uv run python benchmarks/packing.py --shape tiny --rows 16 --even --repeats 3
     uv run python benchmarks/packing.py --compile-stream 12 --shape small   # regional torch.compile, CPU
 
 `--compile-stream S`: S ragged batches (fresh N each) through `GRPO(packed=True)` with each decoder layer
@@ -76,11 +78,17 @@ def rollouts(rows: int, lengths: list[int], vocab: int, seed: int, question: int
     return out
 
 
-def lengths_for(case: str, rows: int, lo: int, hi: int, seed: int) -> list[int]:
+def lengths_for(case: str, rows: int, lo: int, hi: int, seed: int, even: bool = False) -> list[int]:
+    """New tokens per row: all `hi` (equal), uniform draws in [lo, hi], or (`even`) evenly spaced from lo to hi,
+    the uniform's mean and maximum at any row count (a few random draws on a CPU are far from both)."""
     import random
 
+    if case == "equal":
+        return [hi] * rows
+    if even:
+        return [round(lo + (hi - lo) * i / max(rows - 1, 1)) for i in range(rows)]
     rng = random.Random(seed)
-    return [hi] * rows if case == "equal" else [rng.randint(lo, hi) for _ in range(rows)]
+    return [rng.randint(lo, hi) for _ in range(rows)]
 
 
 def _step(grpo, tb) -> tuple[float, float]:
@@ -97,7 +105,7 @@ def _step(grpo, tb) -> tuple[float, float]:
 def run_case(model, tok, case: str, a) -> dict:
     from SimpleTorchLLMRL.trainer.grpo import GRPO
 
-    lengths = lengths_for(case, a.rows, a.lo, a.hi, a.seed)
+    lengths = lengths_for(case, a.rows, a.lo, a.hi, a.seed, a.even)
     batch = rollouts(a.rows, lengths, model.config.vocab_size, a.seed)
     variants = {"padded": dict(packed=False), "packed": dict(packed=True)}
     if a.buckets:
@@ -280,6 +288,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--lo", type=int, default=16, help="fewest new tokens of the spread case")
     ap.add_argument("--hi", type=int, default=512, help="most new tokens (every row's in the equal case)")
+    ap.add_argument("--even", action="store_true", help="spread: new tokens evenly spaced from --lo to --hi")
     ap.add_argument("--cases", nargs="+", choices=("spread", "equal"), default=["spread", "equal"])
     ap.add_argument("--buckets", type=int, default=None, help="also packed with length_buckets=k")
     ap.add_argument("--repeats", type=int, default=3)
