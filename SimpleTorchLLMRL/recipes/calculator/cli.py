@@ -70,9 +70,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each layer's activations in backward (less memory, ~30%% more compute)")
     p.add_argument("--liger", choices=("auto", "on", "off"), default="auto",
-                   help="Liger-Kernel's RMSNorm / SwiGLU / RoPE in the model's body: a faster, leaner loss + "
-                        "backward but a slower HF fast decode (auto: on with --backend vllm on CUDA where "
-                        "liger-kernel is installed and covers the architecture)")
+                   help="Liger-Kernel's RMSNorm / SwiGLU / RoPE in the model's body while it trains (the decode "
+                        "keeps HF's modules): a faster, leaner loss + backward (auto: on CUDA where liger-kernel "
+                        "is installed and covers the architecture)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of the full model")
     p.add_argument("--qlora", action="store_true", help="4-bit base + LoRA adapters (bitsandbytes)")
     p.add_argument("--lora-rank", type=int, default=16)
@@ -327,11 +327,9 @@ def body_kernels(model, args: argparse.Namespace) -> str:
     """--liger on the loaded model: "on" when Liger's body kernels now run in it, else "off" (written back
     into args, and so into checkpoints). "on" that cannot be honoured raises UsageError; "auto" falls back.
 
-    "auto" leaves them out when the HF backend samples with this model: on an H200 they made loss + backward
-    1.3x faster but the fast decode 1.7x slower, and the whole step slower (docs/benchmarks.md#gpu)."""
+    The kernels run in the trainer's forwards only, so the HF fast decode keeps HF's modules (on an H200,
+    Liger's made loss + backward 1.3x faster but that decode 1.7x slower: docs/benchmarks.md#gpu)."""
     if args.liger == "off" or args.device != "cuda":
-        return "off"
-    if args.liger == "auto" and getattr(args, "backend", "hf") != "vllm":
         return "off"
     from SimpleTorchLLMRL.model.scoring.liger import apply_liger_kernels
 
