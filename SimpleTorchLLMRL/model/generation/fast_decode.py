@@ -126,10 +126,9 @@ class StaticDecoder:
     def decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int,
                row_stopped: Callable[[list[list[int]]], list[bool]] | None, watch=None):
         """input_ids, attention_mask (B, L) left-padded -> ids (B, n), log-probs (B, n), n <= new_tokens.
-
         `row_stopped(ids of some rows so far)` says which of them a stop string ended (None: EOS only);
-        `watch` (a `model.generation.sampling.DecodeWatch`, or None): gets the new ids at each host check (every
-        STREAM_EVERY steps when it streams), and the rows it cancels count as ended. `use_picker` first."""
+        `watch` (a `DecodeWatch`, or None): gets the new ids at each host check (every STREAM_EVERY steps when
+        it streams), and the rows it cancels count as ended. `use_picker` first."""
         B, L = input_ids.shape
         if L + new_tokens > self.S or B != self.B:
             raise ValueError(f"this decoder holds {self.B} rows x {self.S} slots, not {B} x {L} + {new_tokens}")

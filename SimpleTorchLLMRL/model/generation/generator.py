@@ -152,7 +152,6 @@ class ModelGenerate:
         """Tokens the model can attend to (prompt + generation), None when unknown."""
         return self.backend.max_context
 
-    # -- prompts
     def prompt_ids(self, rollouts: Sequence[Rollout]) -> list[list[int]]:
         """Each rollout's prompt ids (`encode_prompt` with this generator's tokenizer), to pass to `generate`."""
         return [encode_prompt(r, self.tokenizer) for r in rollouts]
@@ -195,7 +194,6 @@ class ModelGenerate:
                  seed: int | Sequence[int | None] | None = None, prompt_ids: Sequence[Sequence[int]] | None = None,
                  watch: DecodeWatch | None = None) -> list[list[Message]]:
         """`n` sampled MODEL messages per prompt, all prompts x n in one batch. Does not append.
-
         prompts: Rollouts (encoded by `encode_prompt`) or lists of token ids (sampled from as they are).
         prompt_ids: the rollouts already encoded (`prompt_ids()`), so a caller that checked them encodes once.
         sampling: this call's options only (its empty eos_token_ids take the generator's), never stored.
@@ -272,10 +270,8 @@ class ModelGenerate:
     # -- weight sync / colocation (no-ops for the HF backend, which generates with the live model)
     def push_weights(self, model=None, mode: str = "merged", *, adapter: str | Sequence[str] | None = None) -> None:
         """Copy a training model's weights into the inference engine (vLLM; HF: nothing to copy) and bump
-        `policy_version`: the messages sampled next come from the new weights.
-
-        adapter (with mode="adapter"): push these named adapters of a multi-adapter model, each
-        served under its own `LoRARequest` (`generate(..., adapter=name)` picks it)."""
+        `policy_version`. adapter (with mode="adapter"): push these named adapters of a multi-adapter model,
+        each served under its own `LoRARequest` (`generate(..., adapter=name)` picks it)."""
         if adapter is None:
             self.backend.push_weights(model, mode)
         else:

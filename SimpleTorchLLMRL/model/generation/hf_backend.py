@@ -112,7 +112,6 @@ class HFBackend:
         """Nothing to refuse: the HF loop records log-probs under any settings."""
 
     def prepare_grammar(self, grammar: str) -> None:
-        """Compile `grammar` for this model now (its caller's thread), so a call with it finds it compiled."""
         from SimpleTorchLLMRL.model.generation.constrain import compiled_grammar
 
         compiled_grammar(self.tokenizer, self.vocab_size, grammar)
@@ -133,7 +132,6 @@ class HFBackend:
         return self.logprob_temperature_for(self.cfg)
 
     def logprob_temperature_for(self, sampling: SamplingConfig) -> float:
-        """The temperature a call with `sampling` records its log-probs under."""
         return sampling.logprob_temperature
 
     @property
@@ -257,9 +255,7 @@ class HFBackend:
             input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
             max_new_tokens=cfg.max_new_tokens, do_sample=False, num_beams=1, temperature=None, top_k=None,
             top_p=None, repetition_penalty=1.0, no_repeat_ngram_size=0, eos_token_id=list(cfg.eos_token_ids),
-            pad_token_id=self.pad_id, logits_processor=LogitsProcessorList([picker]),
-            stopping_criteria=criteria,
-        )
+            pad_token_id=self.pad_id, logits_processor=LogitsProcessorList([picker]), stopping_criteria=criteria)
         new = seq[:, L:]  # (B, N)
         return new, picker.finish()[:, : new.shape[1]]  # (B, N)
 

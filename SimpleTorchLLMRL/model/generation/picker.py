@@ -101,13 +101,9 @@ def checked_mass(total: torch.Tensor, check: bool) -> torch.Tensor:
 
 
 class TokenPicker:
-    """One decode step's choice from the (B, V) float32 scores: `pick(scores) -> (ids (B,), logprobs (B,),
-    mass (B,) float64 or None)`, with no host sync.
-
-    The log-prob is log_softmax(raw scores / T) of the chosen token, or, where only truncation shaped the
-    draw (`SamplingConfig.records_truncated`), under the truncated distribution. `mass`: the sampled
-    distribution's unnormalized total, for `unsampleable`.
-    """
+    """One decode step's choice from the (B, V) float32 scores, with no host sync: `pick(scores) -> (ids (B,),
+    logprobs (B,), mass (B,) float64 or None)`: the chosen token's log_softmax(raw scores / T) (the truncated
+    distribution's where `SamplingConfig.records_truncated`), and the sampled total, for `unsampleable`."""
 
     def __init__(self, cfg: SamplingConfig):
         self.greedy, self.inv_t = cfg.greedy, 1.0 / cfg.logprob_temperature

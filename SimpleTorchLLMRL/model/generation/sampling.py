@@ -305,11 +305,11 @@ class DecodeWatch:
         watch = DecodeWatch(on_tokens=lambda rows, ids: ..., cancelled=lambda row: ...)
         generator.generate(rollouts, n, watch=watch)       # row i * n + j: prompt i's j-th sample
 
-    `on_tokens(rows, ids)` runs on the generating thread with the raw ids each row sampled since the last
-    call (every step on HF `generate`, every `fast_decode.STREAM_EVERY` steps on the fast decode, per engine
-    step on vLLM; an ended row keeps receiving ids, cut as `cut_sample` does): it must be quick and not raise.
-    `cancelled(row)` is read at the same points: such a row stops decoding and keeps what it sampled
-    (finish_reason "length" unless it had ended); the other rows sample the ids they would have without it.
+    `on_tokens(rows, ids)` runs on the generating thread with each row's raw ids since the last call (HF: how
+    often is in docs/gateway.md, "Streaming and hang-ups"; vLLM: per engine step; an ended row keeps
+    receiving ids, cut as `cut_sample` does): it must be quick and not raise. `cancelled(row)` is read at
+    the same points: such a row stops and keeps what it sampled ("length" unless it had ended); the other
+    rows sample the ids they would have without it.
     """
 
     def __init__(self, on_tokens: TokensFn | None = None, cancelled: Callable[[int], bool] | None = None):

@@ -91,13 +91,11 @@ class VLLMBackend:
         raise ValueError("top log-probs need the HF backend: this engine records only the sampled ids' log-probs")
 
     def prepare_grammar(self, grammar: str) -> None:
-        """Check that `grammar` parses (the engine compiles it itself, off its sampling loop)."""
         from SimpleTorchLLMRL.model.generation.constrain import check_grammar
 
         check_grammar(grammar)
 
     def check_sampling(self, cfg: SamplingConfig) -> None:
-        """Raise when this engine's log-probs mode cannot record `cfg`'s log-probs (a per-call override)."""
         problem = logprobs_mode_problem(self.logprobs_mode, cfg)
         if problem:
             raise ValueError(problem)
@@ -123,8 +121,7 @@ class VLLMBackend:
             stop_token_ids=list(cfg.eos_token_ids) or None, include_stop_str_in_output=True,
             logprobs=0, seed=seed, skip_special_tokens=True,
             logit_bias=dict(cfg.logit_bias) or None, frequency_penalty=cfg.frequency_penalty,
-            presence_penalty=cfg.presence_penalty, **extra,
-        )
+            presence_penalty=cfg.presence_penalty, **extra)
 
     def _lora_for(self, adapter: str | None):
         if adapter is None:
@@ -201,12 +198,9 @@ class VLLMBackend:
         ids, logprobs = _ids_and_logprobs(row.output, row.given_up_at)
         return Sample(ids, logprobs, "length", self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    # -- weight sync and colocation
     def push_weights(self, model, mode: str = "merged", adapter: str | list[str] | None = None) -> None:
-        """mode "merged"/"full": load (merged) weights into the engine; "adapter": serve the peft adapter via LoRA.
-
-        adapter (mode "adapter" only): the named adapters of a multi-adapter model, each exported to
-        its own directory and served under its own `LoRARequest` (`lora_requests[name]`)."""
+        """mode "merged"/"full": load (merged) weights into the engine; "adapter": serve the peft adapter via LoRA;
+        adapter (mode "adapter" only): named adapters, each served under its own `lora_requests[name]`."""
         if model is None:
             raise ValueError("push_weights needs the training model whose weights to copy")
         if adapter is not None:

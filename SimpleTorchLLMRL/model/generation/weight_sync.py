@@ -123,12 +123,9 @@ def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def vllm_weights(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None, *,
                  adapter_name: str = "default", merge_lora: bool = True) -> dict[str, torch.Tensor]:
-    """Full weights under the base model's HF names, ready for vLLM `load_weights(weights.items())`.
-
-    `model`: transformers or peft, plain or FSDP2 (`state_dict` defaults to `gathered_state_dict(model)`, a
-    collective: ranks other than 0 get {}). LoRA deltas are merged (merge_lora=True) or dropped (False).
-    ValueError for a 4-bit base: use `export_adapter` there.
-    """
+    """Full weights under the base model's HF names, ready for vLLM `load_weights(weights.items())`. `model`:
+    transformers or peft, plain or FSDP2 (`state_dict` defaults to `gathered_state_dict(model)`, a collective:
+    ranks other than 0 get {}). LoRA deltas merged (merge_lora=True) or dropped; a 4-bit base is refused."""
     from SimpleTorchLLMRL.model.lora import is_peft_model, is_quantized
 
     if is_quantized(model):
