@@ -4,9 +4,7 @@
     check_args(args)                      # UsageError (one line) on a bad flag or output dir
     model, tokenizer = load_policy(args)  # UsageError when the model cannot be loaded
 
-A `UsageError` is printed as one line on stderr by `fail` and the process exits
-with status 2; nothing has been written at that point. (So is a full disk while saving, with
-`CheckpointError`, after the partial checkpoint is removed.)
+`fail` prints a `UsageError` (or a full disk's `CheckpointError`) as one line and exits with status 2.
 """
 
 from __future__ import annotations
@@ -224,11 +222,8 @@ def choose_reward(args: argparse.Namespace):
 
 
 def check_output_dir(out: Path, resume: bool) -> None:
-    """A directory we may write into: not a file, and not another run's unless resuming (or restarting) it.
-
-    Its checkpoints/ and final/, where present, are readable directories (a symlink to one is fine; a
-    dangling one is refused in every mode, so nothing starts that could not save or resume).
-    """
+    """A directory we may write into: not a file, and not another run's unless resuming (or restarting) it;
+    its checkpoints/ and final/, where present, readable directories (a dangling symlink is refused)."""
     from SimpleTorchLLMRL.utils.checkpoint import CheckpointError, check_directory
 
     for parent in [out, *out.parents]:
@@ -326,9 +321,7 @@ def load_policy(args: argparse.Namespace):
 def body_kernels(model, args: argparse.Namespace) -> str:
     """--liger on the loaded model: "on" when Liger's body kernels now run in it, else "off" (written back
     into args, and so into checkpoints). "on" that cannot be honoured raises UsageError; "auto" falls back.
-
-    The kernels run in the trainer's forwards only, so the HF fast decode keeps HF's modules (on an H200,
-    Liger's made loss + backward 1.3x faster but that decode 1.7x slower: docs/benchmarks.md#gpu)."""
+    The kernels run in the trainer's forwards only; the HF fast decode keeps HF's modules (docs/recipes.md)."""
     if args.liger == "off" or args.device != "cuda":
         return "off"
     from SimpleTorchLLMRL.model.scoring.liger import apply_liger_kernels
