@@ -110,7 +110,8 @@ def _rollouts(tok):
 def test_the_decode_runs_hfs_modules_and_the_trainer_ligers(recording, chatml_tokenizer):
     import copy
 
-    from SimpleTorchLLMRL.model.generate import ModelGenerate
+    from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
+    from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
     from SimpleTorchLLMRL.model.scoring.logprobs import token_logprobs
     from SimpleTorchLLMRL.trainer.grpo import GRPO
 
@@ -120,11 +121,9 @@ def test_the_decode_runs_hfs_modules_and_the_trainer_ligers(recording, chatml_to
     apply_liger_kernels(model)
 
     def decode(m):  # a group of 2 per prompt too: the HF backend prefills each prompt once (`_shared_prefill`)
-        rollouts, group = _rollouts(tok), [r.copy() for r in _rollouts(tok)[:1]]
-        gen = ModelGenerate(m, tok, max_new_tokens=6, do_sample=False)
-        gen.batch_rollout_generate_response(rollouts)
-        grouped = gen.group_rollout_generate_response(group, n=2)
-        return [r[-1].token_ids for r in rollouts + grouped]
+        gen = ModelGenerate(m, tok, sampling=SamplingConfig(max_new_tokens=6, do_sample=False))
+        rollouts = _rollouts(tok)
+        return [msg.token_ids for g in gen.generate(rollouts) + gen.generate(rollouts[:1], n=2) for msg in g]
 
     assert decode(model) == decode(plain)
     with torch.no_grad():
