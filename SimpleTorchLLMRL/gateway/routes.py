@@ -123,7 +123,7 @@ def install_admin(gateway, app) -> None:
     from fastapi import Request
     from fastapi.responses import JSONResponse
 
-    from SimpleTorchLLMRL.chat.rollout_io import rollout_to_dict
+    from SimpleTorchLLMRL.chat.message import rollout_to_dict
 
     expected = f"Bearer {gateway.admin_key}".encode()
 

@@ -8,7 +8,7 @@
         ...
     save_adapters(model, "ckpt"); model = load_adapters(base_again, "ckpt")
 
-`use_adapter` never changes `requires_grad`: which adapters train is yours to say (`freeze_adapter`).
+docs/multi_policy.md says more.
 """
 
 from __future__ import annotations
@@ -47,12 +47,9 @@ def adapter_names(model: nn.Module) -> list[str]:
 
 def add_agent_adapters(model: nn.Module, agents: Sequence[str], r: int = 16, alpha: float = 32,
                        target_modules: str | list[str] = "all-linear", dropout: float = 0.0, **kwargs: Any):
-    """One LoRA adapter per agent name on `model` (a plain causal LM, or a PeftModel to extend).
-
-    Returns the PeftModel; every new adapter is trainable (`requires_grad`), the base is frozen.
-    With peft's default init (B = 0) each adapter starts as the base model. The first adapter
-    is active afterwards; route with `use_adapter`. Extra kwargs go to `peft.LoraConfig`.
-    """
+    """One LoRA adapter per agent name on `model` (a plain causal LM, or a PeftModel to extend); returns the
+    PeftModel, every new adapter trainable and starting as the base (B = 0), the base frozen, the first
+    adapter active. Extra kwargs go to `peft.LoraConfig`."""
     from peft import get_peft_model
 
     names = _check_names(agents)
@@ -123,11 +120,8 @@ def freeze_adapter(model: nn.Module, name: str, frozen: bool = True) -> None:
 
 @contextlib.contextmanager
 def use_adapter(model: nn.Module, name: str | None) -> Iterator[nn.Module]:
-    """Inside: `model` computes with adapter `name` alone; `None`: the base model (every adapter off).
-
-    On exit the previously active adapter is active again. `requires_grad` of every parameter
-    is left as it was (peft's `set_adapter` would freeze the other adapters and unfreeze this one).
-    """
+    """Inside: `model` computes with adapter `name` alone; `None`: the base model (every adapter off). On exit
+    the previous adapter is active again; every `requires_grad` is left as it was (unlike peft's `set_adapter`)."""
     if name is None:
         if not is_peft_model(model):
             yield model
@@ -154,10 +148,8 @@ def use_adapter(model: nn.Module, name: str | None) -> Iterator[nn.Module]:
 
 
 def save_adapters(model: nn.Module, path: str | os.PathLike, names: Sequence[str] | None = None) -> dict[str, str]:
-    """Write each adapter to `path/<name>/` (adapter_config.json + safetensors, what vLLM's LoRARequest reads).
-
-    names: default every adapter. Returns {name: directory}. `path/agents.json` lists them in order.
-    """
+    """Write each adapter (names: default every one) to `path/<name>/`, what vLLM's LoRARequest reads; returns
+    {name: directory}. `path/agents.json` lists them in order."""
     from SimpleTorchLLMRL.model.generation.weight_sync import export_adapter
 
     names = _check_names(adapter_names(model) if names is None else names)
@@ -183,11 +175,9 @@ def save_adapters(model: nn.Module, path: str | os.PathLike, names: Sequence[str
 
 def load_adapters(base: nn.Module, path: str | os.PathLike, names: Sequence[str] | None = None, *,
                   is_trainable: bool = True):
-    """The PeftModel of `save_adapters`: `base` (a plain model, or a PeftModel to add to) plus each `path/<name>/`.
-
-    names: default those listed in `path/agents.json`. With `is_trainable`, adapters saved trainable are
-    trainable again and frozen ones stay frozen; otherwise all are frozen. The first adapter is active.
-    """
+    """The PeftModel of `save_adapters`: `base` (a plain model, or a PeftModel to add to) plus each `path/<name>/`
+    (names: default those in `path/agents.json`), the first active. With `is_trainable`, adapters saved
+    trainable are trainable again and frozen ones stay frozen; otherwise all are frozen."""
     from peft import PeftModel
 
     with open(os.path.join(os.fspath(path), _AGENTS_FILE), encoding="utf-8") as f:

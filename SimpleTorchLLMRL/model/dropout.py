@@ -1,8 +1,4 @@
-"""Dropout off for RL: on-policy ratios must be exactly 1.
-
-With dropout active (`model.train()` on a GPT-2-style model), the trainer's log-probs
-are those of a random sub-network, not of the policy that sampled: on-policy ratios
-spread around 1 (0.87-1.24 measured) and clipping bites tokens it should not.
+"""Dropout off for RL: on-policy ratios must be exactly 1 (docs/losses.md, "Dropout").
 
     disable_dropout(model)        # every nn.Dropout to p=0, attention dropout rates to 0
     active_dropout(model)         # names of modules that would still drop in train mode
@@ -35,10 +31,8 @@ def active_dropout(model: nn.Module) -> list[str]:
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:
-    """Set every dropout probability in `model` (peft's lora_dropout included) to 0; returns the model.
-
-    Also zeroes the matching fields of `model.config`, so a saved model loads without dropout.
-    """
+    """Set every dropout probability in `model` (peft's lora_dropout included) to 0, and the matching fields of
+    `model.config` (a saved model loads without dropout); returns the model."""
     for module in model.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd):
             module.p = 0.0

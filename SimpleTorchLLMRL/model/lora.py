@@ -19,11 +19,8 @@ from torch import nn
 
 
 def is_peft_model(model: nn.Module) -> bool:
-    """True for a `peft.PeftModel`, also wrapped (FSDP2 keeps the class; DeepSpeed forwards attributes).
-
-    Told by what the library uses (`peft_config` and the `disable_adapter()` context that gives
-    the reference policy), so it needs no peft import.
-    """
+    """True for a `peft.PeftModel`, also wrapped (FSDP2 keeps the class; DeepSpeed forwards attributes): told
+    by `peft_config` and `disable_adapter()`, what the library uses, with no peft import."""
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 
 
@@ -45,10 +42,8 @@ def _check_lora_args(r: int, alpha: float, dropout: float, target_modules: Any) 
     if not (isinstance(target_modules, str) or
             (isinstance(target_modules, (list, tuple)) and target_modules
              and all(isinstance(t, str) for t in target_modules))):
-        raise ValueError(
-            f"target_modules must be 'all-linear', a regex string, or a non-empty list of module names, "
-            f"got {target_modules!r}"
-        )
+        raise ValueError(f"target_modules must be 'all-linear', a regex string, or a non-empty list of module "
+                         f"names, got {target_modules!r}")
 
 
 def lora_config(r: int = 16, alpha: float = 32, target_modules: str | list[str] = "all-linear",
@@ -68,11 +63,8 @@ def apply_lora(model: nn.Module, r: int = 16, alpha: float = 32, target_modules:
 
     target_modules="all-linear" adapts every linear layer except the output head. Extra kwargs (e.g.
     `init_lora_weights=False`, `use_rslora=True`, `modules_to_save=[...]`) are passed to `peft.LoraConfig`.
-
-    adapter_dtype: "base" (default) keeps the adapters in the base model's floating dtype
-    (a 4-bit base: its compute dtype), so peft never upcasts a layer's input and keeps that
-    copy for backward (a bf16 model with float32 adapters peaks higher than full fine-tuning);
-    torch.float32 (or "float32") gives float32 adapters, peft's own default, at that cost.
+    adapter_dtype: "base" (default), the base model's floating dtype (a 4-bit base: its compute dtype), or
+    torch.float32 / "float32", peft's own default, at a memory cost (docs/scale.md, "Adapter dtype").
     """
     from peft import get_peft_model
 
@@ -103,16 +95,12 @@ def adapter_dtype_for(model: nn.Module, adapter_dtype: torch.dtype | str = "base
 
 
 def bnb_4bit_config(compute_dtype: torch.dtype | str | None = None):
-    """4-bit NF4 with double quantization (the QLoRA recipe) as a `BitsAndBytesConfig`.
-
-    compute_dtype: the matmul dtype; None picks bfloat16 on CUDA and float32 on CPU.
-    """
+    """4-bit NF4 with double quantization (the QLoRA recipe) as a `BitsAndBytesConfig`; compute_dtype: the
+    matmul dtype (None: bfloat16 on CUDA, float32 on CPU)."""
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=_resolve_dtype(compute_dtype, "compute_dtype"),
-    )
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=_resolve_dtype(compute_dtype, "compute_dtype"))
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, name: str) -> torch.dtype:
@@ -126,14 +114,8 @@ def _resolve_dtype(dtype: torch.dtype | str | None, name: str) -> torch.dtype:
 
 
 def keep_cpu_4bit_differentiable(model: nn.Module) -> int:
-    """Stop bitsandbytes from repacking 4-bit weights for CPU inference; returns the layers changed.
-
-    On CPUs with AVX512-BF16, bitsandbytes 0.50 repacks a `Linear4bit` weight
-    the first time it runs in eval mode without grad, and from then on uses a
-    kernel with no backward for the input: later training steps silently get
-    wrong gradients for every layer below. GRPO computes its reference and
-    old log-probs exactly that way, so QLoRA models keep the trainable layout.
-    """
+    """Stop bitsandbytes from repacking 4-bit weights for CPU inference, which would leave a kernel with no
+    input backward (docs/scale.md, "CPU note"); returns the layers changed."""
     changed = 0
     for m in model.modules():
         if getattr(m, "support_avx512bf16_for_cpu", False):
@@ -146,11 +128,9 @@ def load_qlora(path_or_id: str, r: int = 16, alpha: float = 32, target_modules: 
                dropout: float = 0.0, *, compute_dtype: torch.dtype | str | None = None,
                gradient_checkpointing: bool = False, model_kwargs: dict[str, Any] | None = None,
                **lora_kwargs: Any):
-    """QLoRA: load `path_or_id` in 4-bit NF4 (double quantization), prepare it for k-bit training, add LoRA.
-
-    Adapters in the compute dtype (adapter_dtype=torch.float32 in lora_kwargs for float32 ones); the base
-    cannot be merged losslessly (sync vLLM through the adapter). `model_kwargs` go to `from_pretrained`.
-    """
+    """QLoRA: load `path_or_id` in 4-bit NF4 (double quantization), prepare it for k-bit training, add LoRA,
+    its adapters in the compute dtype (adapter_dtype=torch.float32 in lora_kwargs for float32 ones); the base
+    cannot be merged losslessly (sync vLLM through the adapter). `model_kwargs` go to `from_pretrained`."""
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
 
@@ -189,11 +169,8 @@ def save_adapter(model: nn.Module, path: str, *, is_main_process: bool = True) -
 
 def load_adapter(base: nn.Module | str, path: str, *, is_trainable: bool = True, adapter_name: str = "default",
                  **model_kwargs: Any):
-    """A `PeftModel` from a base model (module, or a path loaded with `from_pretrained`) and a saved adapter.
-
-    For a QLoRA adapter pass the base loaded in 4-bit, e.g.
-    `AutoModelForCausalLM.from_pretrained(base_id, quantization_config=bnb_4bit_config())`.
-    """
+    """A `PeftModel` from a base model (module, or a path loaded with `from_pretrained`) and a saved adapter;
+    for a QLoRA adapter, the base loaded with `quantization_config=bnb_4bit_config()`."""
     from peft import PeftModel
 
     if isinstance(base, str):
@@ -207,17 +184,12 @@ def load_adapter(base: nn.Module | str, path: str, *, is_trainable: bool = True,
 
 
 def merge_for_export(model: nn.Module, *, inplace: bool = False) -> nn.Module:
-    """A plain transformers model with the LoRA deltas folded into the base weights.
-
-    By default works on a deep copy, so training can continue on `model`.
-    A 4-bit base cannot be merged exactly: load the base in full precision, `load_adapter` it, and merge that.
-    """
+    """A plain transformers model with the LoRA deltas folded into the base weights, by default of a deep
+    copy (training can continue on `model`). A 4-bit base is refused (merging into NF4 is lossy)."""
     if not is_peft_model(model):
         raise ValueError("merge_for_export needs a PeftModel; a plain model needs no merging")
     if is_quantized(model):
-        raise ValueError(
-            "merge_for_export refuses a 4-bit (QLoRA) base: merging into NF4 weights is lossy. Load the base "
-            "in bf16/fp32, load_adapter(base, adapter_dir), then merge_for_export that model."
-        )
+        raise ValueError("merge_for_export refuses a 4-bit (QLoRA) base: merging into NF4 weights is lossy. Load "
+                         "the base in bf16/fp32, load_adapter(base, adapter_dir), then merge_for_export that model.")
     target = model if inplace else copy.deepcopy(model)
     return target.merge_and_unload()

@@ -263,14 +263,14 @@ class Distill:
 
     def _jsd(self, tb: P.TrainBatch, normalizer: float | None) -> L.LossOutput:
         B, T = tb.mask.shape
-        hidden = hidden_states(self.model, tb, self.compute_options)  # (B, T, H)
+        hidden = hidden_states(self.model, tb, self.compute_options)  # (N, H)
         device = next(self.teacher.parameters()).device
         with torch.no_grad():
-            th = final_hidden_states(self.teacher, tb.input_ids.to(device), tb.attention_mask.to(device))  # (B, T, H')
+            th = self._teacher_hidden(tb, device)  # (N, H')
         index, teacher_head = tb.token_index, output_head(self.teacher)  # on the teacher's device
-        extra = dict(hidden=hidden.reshape(B * T, -1).index_select(0, index),
+        extra = dict(hidden=hidden,
                      targets=tb.input_ids.reshape(-1).index_select(0, index + 1),
-                     teacher_hidden=th.reshape(B * T, -1).index_select(0, index.to(device)),
+                     teacher_hidden=th,
                      head=output_head(self.model), teacher_head=lambda h: teacher_head(h).to(hidden.device),
                      softcap=logit_softcap(self.model), teacher_softcap=logit_softcap(self.teacher),
                      chunk_size=self.compute_options.chunk_size)
@@ -278,6 +278,15 @@ class Distill:
         metrics = L.LazyMetrics.merged(tb.metrics, out.metrics, temperature=tb.temperature)
         full = scatter_index(out.token_logprobs.float(), index + 1, (B, T), torch.nan)
         return L.LossOutput(out.loss, metrics, full)
+
+    def _teacher_hidden(self, tb: P.TrainBatch, device: torch.device) -> torch.Tensor:
+        """(N, H') the teacher's final hidden states that predict the trained tokens: in the student's layout on its
+        device (packed where the teacher's attention takes it), else padded on the teacher's own device."""
+        if device == tb.input_ids.device:
+            return hidden_states(self.teacher, tb, self.compute_options)
+        B, T = tb.mask.shape
+        th = final_hidden_states(self.teacher, tb.input_ids.to(device), tb.attention_mask.to(device))  # (B, T, H')
+        return th.reshape(B * T, -1).index_select(0, tb.token_index.to(device))
 
     def calculate_loss(self, rollouts, rewards=None, normalizer: float | None = None) -> torch.Tensor:
         """Scalar loss over `rollouts` (and their (B,) rewards, if any), or over a prepared `TrainBatch`."""

@@ -3,7 +3,7 @@
 Legend: B rollouts, T tokens, N trained tokens. Per-token tensors are (B, T), aligned with input_ids.
 
     train_batch: check_rewards -> encode (token ids checked) -> trained_mask -> trained_index -> prefix plan
-                 -> resolve_temperature; then the no-grad passes (`logprobs_pass`, `reference_logprobs`)
+                 -> resolve_temperature -> pack plan; then the no-grad passes (`logprobs_pass`, `reference_logprobs`)
     run_unit:    `scoring.score` -> `loss_inputs` (the N trained tokens) -> unit(inputs, config) -> LossOutput
 
 Everything data-dependent (which tokens are trained, which rows share a prompt, the checks) is found
@@ -22,7 +22,8 @@ from SimpleTorchLLMRL.chat.tokenize import Batch, rollouts_to_batch
 from SimpleTorchLLMRL.model.adapters import use_adapter
 from SimpleTorchLLMRL.model.lora import is_peft_model
 from SimpleTorchLLMRL.model.scoring.head import check_token_ids, check_vocabulary
-from SimpleTorchLLMRL.model.scoring.logprobs import ComputeOptions, Scores, scatter_index, score
+from SimpleTorchLLMRL.model.scoring.logprobs import ComputeOptions, Scores, packs, scatter_index, score
+from SimpleTorchLLMRL.model.scoring.packing import PackPlan, plan_packing
 from SimpleTorchLLMRL.model.scoring.shared_prefix import PrefixPlan, first_positions, plan_shared_prefix
 from SimpleTorchLLMRL.trainer.losses import LazyMetrics, LossInputs, LossOutput
 from SimpleTorchLLMRL.utils.warn import warn_user
@@ -164,7 +165,8 @@ class TrainBatch:
     advantages: (B,) per rollout, (B, T) per token (PPO), or None. old_logprobs (the trainer's before
     the update; None: on-policy), ref_logprobs, teacher_logprobs, old_values, returns: (B, T) or None.
     normalizer: the FULL batch's denominator of the loss' aggregate. token_index: (N,) `trained_index(mask)`;
-    prefix_plan: which rows share their prompt (`share_prefix`); both found before any forward.
+    prefix_plan: which rows share their prompt (`share_prefix`); pack_plan: where each row sits when the batch
+    runs packed (`packed`); all found before any forward.
     metrics: the batch-level numbers of `prepare` (rewards, advantages, staleness).
     """
 
@@ -175,6 +177,7 @@ class TrainBatch:
     normalizer: float
     token_index: torch.Tensor
     prefix_plan: PrefixPlan | None = None
+    pack_plan: PackPlan | None = None
     advantages: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
@@ -205,6 +208,8 @@ class TrainBatch:
             part = replace(self, batch=self.batch[rows].columns(T), metrics=dict(self.metrics), **cut)
             part.token_index = trained_index(part.mask)
             part.prefix_plan = None if self.prefix_plan is None else prefix_plan(part.batch, part.mask)
+            plan = self.pack_plan
+            part.pack_plan = None if plan is None else plan_packing(part.mask, part.token_index, plan.length_buckets)
             out.append(part)
         return out
 
@@ -217,6 +222,14 @@ def _cut(t: torch.Tensor, rows: slice, T: int) -> torch.Tensor:
 def prefix_plan(batch: Batch, mask: torch.Tensor) -> PrefixPlan:
     """Which rows share their tokens before the first trained one (`share_prefix`); waits for the device."""
     return plan_shared_prefix(batch.input_ids, batch.attention_mask, first_positions(mask))
+
+
+def pack_plan(model, mask: torch.Tensor, token_index: torch.Tensor, compute: ComputeOptions) -> PackPlan | None:
+    """Where each row sits when the batch runs packed (`compute.packed`, `model`'s attention), else None;
+    waits for the device. packed=True on a model whose attention cannot take packed rows: ValueError."""
+    if not packs(model, compute):
+        return None
+    return plan_packing(mask, token_index, compute.length_buckets)
 
 
 def train_batch(name: str, model, tokenizer, rollouts: list[Rollout], compute: ComputeOptions, *,
@@ -232,8 +245,9 @@ def train_batch(name: str, model, tokenizer, rollouts: list[Rollout], compute: C
     t = resolve_temperature(name, temperature, batch.sampling_temperature) if follow_sampling else temperature or 1.0
     batch.truncation = batch.truncation if follow_sampling else None
     r = torch.zeros(len(rollouts)) if r is None else r
-    return TrainBatch(batch, mask, r.to(mask.device), t, normalizer(mask), trained_index(mask), plan,
-                      metrics={**(metrics or {}), "temperature": t})
+    index = trained_index(mask)
+    return TrainBatch(batch, mask, r.to(mask.device), t, normalizer(mask), index, plan,
+                      pack_plan(model, mask, index, compute), metrics={**(metrics or {}), "temperature": t})
 
 
 def as_train_batch(rollouts, rewards, prepare: Callable[..., TrainBatch]) -> TrainBatch:

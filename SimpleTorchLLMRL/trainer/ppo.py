@@ -185,11 +185,12 @@ class PPO:
         return [*self.value_head.parameters(), *critic]
 
     def values(self, tb: P.TrainBatch, hidden: torch.Tensor) -> torch.Tensor:
-        """(B, T) values of the trained tokens (0 elsewhere) from the policy's (B, T, H) hidden states, or the critic's."""
+        """(B, T) values of the trained tokens (0 elsewhere) from the policy's (N, H) hidden states that predict
+        them (`scoring.hidden_states`), or the critic's."""
         if self.critic is not None:
             hidden = hidden_states(self.critic, tb, self.compute_options)
-        v = self.value_head(hidden[:, :-1].to(next(self.value_head.parameters()).dtype)).squeeze(-1).float()
-        return torch.cat([v.new_zeros(v.shape[0], 1), v], dim=1) * tb.mask.to(torch.float32)  # (B, T)
+        v = self.value_head(hidden.to(next(self.value_head.parameters()).dtype)).squeeze(-1).float()  # (N,)
+        return scatter_index(v, tb.token_index + 1, tuple(tb.mask.shape))  # (B, T)
 
     def advantages(self, tb: P.TrainBatch, current: torch.Tensor, old_values: torch.Tensor):
         """(advantages, returns) (B, T): GAE of the terminal reward minus beta * KL(old || ref) per trained token."""
@@ -226,7 +227,7 @@ class PPO:
         if self.model.training and not self._dropout_checked:  # once, when it trains
             self._dropout_checked = warn_if_dropout(self.name, self.model)
         opts = self.compute_options
-        hidden = hidden_states(self.model, tb, opts)  # (B, T, H)
+        hidden = hidden_states(self.model, tb, opts)  # (N, H)
         values = self.values(tb, hidden)
         old_values = tb.old_values if tb.old_values is not None else values.detach()
         if tb.advantages is not None:

@@ -18,8 +18,12 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from SimpleTorchLLMRL import GRPO, ModelGenerate  # noqa: E402
-from SimpleTorchLLMRL.chat.message import MessageType  # noqa: E402
-from SimpleTorchLLMRL.chat.rollout_io import load_rollouts, rollout_from_dict, rollout_to_dict  # noqa: E402
+from SimpleTorchLLMRL.chat.message import (  # noqa: E402
+    MessageType,  # noqa: E402
+    rollout_from_dict,
+    rollout_to_dict,
+)
+from SimpleTorchLLMRL.chat.rollout_io import load_rollouts  # noqa: E402
 from SimpleTorchLLMRL.chat.tokenize import encode_rollout  # noqa: E402
 from SimpleTorchLLMRL.gateway import Gateway  # noqa: E402
 from SimpleTorchLLMRL.gateway.sessions import SessionStore  # noqa: E402

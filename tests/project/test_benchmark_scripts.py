@@ -42,14 +42,16 @@ def test_gpu_check_without_cuda_says_so_and_exits_0(tmp_path):
 @pytest.mark.slow
 def test_gpu_check_smoke_runs_its_own_parts_on_cpu(tmp_path):
     """The parts that need no TRL, at tiny shapes on CPU, each in its own process: the profile (both kernels
-    against float64), the step's sides without TRL (gradient checkpointing off and on in one process) and the
-    regional compile; the JSON holds what the GPU run reports."""
+    against float64, with the full softmax and truncated), packed against padded, the step's sides without TRL
+    (gradient checkpointing off and on in one process) and the regional compile with its stream of packed
+    batches; the JSON holds what the GPU run reports."""
     import json
 
     out = tmp_path / "smoke.json"
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--parts", "profile",
-                        "step", "compile", "--sides", "ours", "ours_lora", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+                        "packing", "step", "compile", "--sides", "ours", "ours_lora", "--budget", "1500",
+                        "--timeout", "600", "--out", str(out)],  # a loaded 2-core CPU: compiling takes minutes
+                       capture_output=True, text=True, timeout=1500, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["commit"]
@@ -57,8 +59,13 @@ def test_gpu_check_smoke_runs_its_own_parts_on_cpu(tmp_path):
     assert "error" not in prof, prof.get("error")
     assert len(prof["top15"]) == 15 and prof["mfu_loss_backward"] > 0
     assert prof["host_syncs"]["syncs"] == 0
-    for impl in ("cpu", "gpu"):
+    for impl in ("cpu", "gpu", "cpu_truncated", "gpu_truncated"):
         assert prof["numerics"][impl]["logp_max_abs"] < 0.03  # the bf16 bound of tests/model/test_logprobs.py
+    pack = res["packing"]
+    assert "error" not in pack, pack.get("error")
+    for name in ("padded", "padded_shared", "packed", "packed_b4"):
+        assert pack[name]["best_s"] > 0 and pack[name]["logp_max_abs_vs_padded"] < 0.03, name
+    assert pack["packed"]["slots"] < pack["padded"]["slots"] and not pack["cuda_sync_debug_errors"]
     for side in ("ours", "ours_lora"):
         assert set(res["step"][side]) >= {"gc_off", "gc_on"}, res["step"][side].get("error")
         for gc in ("gc_off", "gc_on"):
@@ -67,7 +74,13 @@ def test_gpu_check_smoke_runs_its_own_parts_on_cpu(tmp_path):
     comp = res["compile"]
     assert "error" not in comp, comp.get("error")
     assert comp["speedup"] > 0 and comp["logp_max_abs_vs_eager"] < 0.03
-    assert set(res["goals"]) == {"mfu_loss_backward", "regional_compile_loss_backward_speedup"}
+    stream = comp["packed_stream"]
+    assert "error" not in stream, stream.get("error")
+    assert all(len(stream[k]["wall_s"]) == 3 for k in ("eager", "buckets_4_static", "exact_dynamic"))
+    assert set(res["goals"]) == {"mfu_loss_backward", "regional_compile_loss_backward_speedup",
+                                 "gpu_truncated_logp_max_abs_vs_float64",
+                                 *(f"{n}_{m}" for n in ("packed", "packed_b4", "padded_shared")
+                                   for m in ("loss_backward_speedup_vs_padded", "mfu_real_tokens"))}
 
 
 def test_generation_benchmark_times_each_side_and_checks_fast_against_default(tmp_path):

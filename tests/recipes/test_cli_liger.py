@@ -19,12 +19,13 @@ def test_default_is_auto_and_cpu_runs_leave_the_model_alone():
     assert "forward" not in vars(model.model.norm)  # untouched: Liger patches the instances' forward
 
 
-def test_auto_leaves_them_out_when_the_hf_fast_decode_samples_with_the_model(restore_qwen2):
-    model = tiny_model("qwen2", tiny_tokenizer("chatml"))
-    assert body_kernels(model, _args("auto", "cuda", backend="hf")) == "off"
-    assert "forward" not in vars(model.model.norm)
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_auto_turns_them_on_with_either_backend_for_training_only(backend, restore_qwen2):
+    """The HF fast decode samples with the same model: it keeps HF's modules (tests/model/test_liger.py)."""
     pytest.importorskip("liger_kernel")
-    assert body_kernels(model, _args("on", "cuda", backend="hf")) == "on"  # asked for: honoured
+    model = tiny_model("qwen2", tiny_tokenizer("chatml"))
+    assert body_kernels(model, _args("auto", "cuda", backend=backend)) == "on"
+    assert "_liger_forward" in vars(model.model.norm) and "_plain_forward" in vars(model.model.layers[0].mlp)
 
 
 def test_on_needs_cuda_and_says_so():

@@ -139,7 +139,8 @@ def test_zero_gradient_on_untrained_tokens(qwen2_model, chatml_tokenizer):
 
     hook = model.model.norm.register_forward_hook(keep)
     try:
-        GRPO(model, tok, group_size=3).calculate_loss(rollouts, [1.0, 0.0, 0.25]).backward()
+        # the padded layout's (B, T) hidden states; packed rows: tests/model/test_packing.py
+        GRPO(model, tok, group_size=3, packed=False).calculate_loss(rollouts, [1.0, 0.0, 0.25]).backward()
     finally:
         hook.remove()
     g = captured["h"].grad.abs().sum(-1)  # (B, T)

@@ -8,6 +8,8 @@ device (`.item()`, `nonzero`, a boolean-mask index, `allclose`, `equal`) drains 
   kernels that run on CPU) and PPO: zero;
 - around the seed call `calculate_loss(rollouts, rewards)` + `backward()`, from the training
   forward's first op on (encoding and the checks on host data come before it): zero;
+- packed (`packed=True`: the rows' layout found by prepare / split) and padded batches of every front,
+  with lengths rounded up (`length_buckets`): zero;
 - the metrics are still numbers once read after backward, and equal the loss;
 - the two-pass head's ops grow by a small constant per extra chunk (the fused one's loss graph
   per chunk was ~85 ops; `head_impl="gpu"`, the path CUDA takes).
@@ -188,6 +190,38 @@ def test_ppo_loss_and_backward_wait_for_nothing(impl, setup):
     with counting_from_training_forward(model) as counter:
         on_policy.calculate_loss(rollouts, REWARDS).backward()
     assert_no_sync(counter)
+
+
+@pytest.mark.parametrize("length_buckets", [None, 4])
+@pytest.mark.parametrize("packed", [False, True])
+def test_packed_and_padded_batches_of_every_front_wait_for_nothing(packed, length_buckets, setup):
+    """Packed rows (their layout found by prepare / split, the block mask built on the device) and padded ones,
+    with rounded-up lengths, for GRPO (micro-batches too), PPO, SFT, DPO and Distill's JSD."""
+    from SimpleTorchLLMRL.trainer.distill import Distill
+    from SimpleTorchLLMRL.trainer.dpo import DPO
+    from SimpleTorchLLMRL.trainer.sft import SFT
+
+    model, tok, rollouts = setup
+    opts = dict(packed=packed, length_buckets=length_buckets, chunk_size=8)
+    ref = perturbed_copy(model)
+    fronts = [(GRPO(model, tok, group_size=3, beta=0.1, ref_model=ref, **opts), (rollouts, REWARDS)),
+              (PPO(model, tok, **opts), (rollouts, REWARDS)), (SFT(model, tok, **opts), (rollouts,)),
+              (DPO(model, tok, ref_model=ref, **opts), ([rollouts[0], rollouts[3]], [rollouts[1], rollouts[5]])),
+              (Distill(model, tok, teacher=ref, divergence="jsd", **opts), (rollouts,))]
+    # (reverse-KL Distill is left out: `distill_loss` checks its teacher log-probs for NaN with a host sync)
+    prepared = [(front, front.prepare(*args)) for front, args in fronts]
+    assert all((tb.pack_plan is not None) == packed for _, tb in prepared)
+    parts = prepared[0][1].split(4)
+    for front, tb in prepared:  # the once-per-model checks (the head's logits, the packed forward) run here
+        front.compute(tb).loss.backward()
+    model.zero_grad()
+    with SyncCounter() as counter:
+        for front, tb in prepared:
+            front.compute(tb).loss.backward()
+        for part in parts:
+            prepared[0][0].compute(part).loss.backward()
+    assert_no_sync(counter)
+    model.zero_grad()
 
 
 @pytest.mark.parametrize("impl", ["gpu"])  # "triton" in the interpreter: its launches run torch ops of their own

@@ -93,11 +93,8 @@ def compiled_grammar(tokenizer, vocab_size: int, grammar: str):
 
 
 class RowMatchers:
-    """The grammar matchers of one decode, one per row, advanced with the tokens the rows pick.
-
-    pick(picker, scores (B, V)) -> ids (B,), log-probs (B,) of the raw scores at the picker's
-    temperature, and the picker's sampled mass (B,) or None.
-    """
+    """The grammar matchers of one decode, one per row, advanced with the tokens the rows pick: pick(picker,
+    scores (B, V)) -> ids (B,), log-probs (B,) of the raw scores at the picker's temperature, mass (B,) | None."""
 
     def __init__(self, tokenizer, grammar: str, rows: int, eos_ids: tuple[int, ...]):
         if not eos_ids:

@@ -7,12 +7,13 @@ Legend: B rows, L longest prompt, N new tokens, S cache slots (L + N rounded up 
     mask[:, :, :, L + t] = True                     # (B, 1, 1, S) bool: slot L + t now holds a token
     logits = model(tok (B, 1), positions (B, 1), mask, cache).logits[:, -1]
 
-That step is captured once on CUDA and replayed (eager on CPU). One `StaticDecoder` is kept per model
-(`DECODERS`). docs/generation.md, "Fast decode", says more.
+That step is captured once on CUDA and replayed (eager on CPU); one `StaticDecoder` per model (`DECODERS`).
+docs/generation.md, "Fast decode", says more.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 import weakref
@@ -65,15 +66,10 @@ def _decode_forward(model, tok: torch.Tensor, mask: torch.Tensor, pos: torch.Ten
     return out.logits[:, -1]
 
 
-_compiled_forward = None
-
-
+@functools.cache
 def compiled_forward():
     """`_decode_forward` under `torch.compile` (fullgraph: a model it cannot trace fails before running)."""
-    global _compiled_forward
-    if _compiled_forward is None:
-        _compiled_forward = torch.compile(_decode_forward, fullgraph=True, dynamic=False)
-    return _compiled_forward
+    return torch.compile(_decode_forward, fullgraph=True, dynamic=False)
 
 
 def may_compile(model, rows: int, slots: int) -> bool:
@@ -130,10 +126,9 @@ class StaticDecoder:
     def decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int,
                row_stopped: Callable[[list[list[int]]], list[bool]] | None, watch=None):
         """input_ids, attention_mask (B, L) left-padded -> ids (B, n), log-probs (B, n), n <= new_tokens.
-
         `row_stopped(ids of some rows so far)` says which of them a stop string ended (None: EOS only);
-        `watch` (a `model.generation.sampling.DecodeWatch`, or None): gets the new ids at each host check (every
-        STREAM_EVERY steps when it streams), and the rows it cancels count as ended. `use_picker` first."""
+        `watch` (a `DecodeWatch`, or None): gets the new ids at each host check (every STREAM_EVERY steps when
+        it streams), and the rows it cancels count as ended. `use_picker` first."""
         B, L = input_ids.shape
         if L + new_tokens > self.S or B != self.B:
             raise ValueError(f"this decoder holds {self.B} rows x {self.S} slots, not {B} x {L} + {new_tokens}")

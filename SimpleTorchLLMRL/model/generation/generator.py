@@ -1,11 +1,5 @@
-"""`ModelGenerate`: batched generation that records what was sampled (docs/generation.md).
-
-Every MODEL message carries the sampled `token_ids` (EOS / stop token kept), their `logprobs` under
-softmax(logits / temperature) (the quantity a trainer recomputes), that `temperature`, `sampling`
-(`SamplingConfig.distribution_changes`) and a `finish_reason` ("stop", "length", "tool_call"). Prompt
-ids (`encode_prompt`) + sampled ids are a prefix of `encode_rollout` of the extended rollout. Each row
-draws from a stream keyed by its prompt's seed and sample index, the same alone or batched.
-"""
+"""`ModelGenerate`: batched generation that records what was sampled (docs/generation.md says what every
+MODEL message carries, and how seeds make a row the same alone or batched)."""
 
 from __future__ import annotations
 
@@ -33,13 +27,11 @@ def is_vllm_llm(model) -> bool:
 class BackendConfig:
     """Which engine samples, and its own options (everything that is not a sampling setting).
 
-    kind: "auto" (vLLM for a `vllm.LLM`, else HF), "hf", or "vllm" (a `vllm.LLM`, or a model path the
-    engine is built from with `vllm_engine.make_llm`). HF only: decode, "fast" (a static KV cache; on
-    GPUs a compiled forward and the decode step as a CUDA graph; `fast_decode`), "default"
-    (`model.generate`) or "auto" (fast on CUDA where the model allows; a call with a grammar always
-    runs the default loop); batch_size, at most this many sequences per decode (None: all at once).
-    vLLM only: lora_request, the `LoRARequest` every call uses unless it names an adapter;
-    vllm_kwargs, engine settings when the engine is built from a model path.
+    kind: "auto" (vLLM for a `vllm.LLM`, else HF), "hf", or "vllm" (a `vllm.LLM`, or a model path
+    `vllm_engine.make_llm` builds the engine from). HF only: decode, "fast" (`fast_decode`), "default"
+    (`model.generate`) or "auto" (fast on CUDA where the model allows); batch_size, at most this many
+    sequences per decode (None: all). vLLM only: lora_request, the `LoRARequest` every call uses unless it
+    names an adapter; vllm_kwargs, engine settings for a model path. docs/generation.md has more.
     """
 
     kind: str = "auto"
@@ -116,11 +108,8 @@ class ModelGenerate:
     model: an HF causal LM (peft models too), a `vllm.LLM`, or with a vLLM backend a model path.
     max_new_tokens, temperature, tool_call_stop (stop strings ending a turn with finish_reason "tool_call"):
     the common options; every other one lives in `sampling`, a `SamplingConfig` given instead of those
-    three. Empty eos_token_ids: the tokenizer's EOS + the model's generation-config EOS. Greedy:
-    `temperature=0` (log-probs at temperature 1) or `SamplingConfig(do_sample=False)` (at the temperature).
-    backend: a kind ("auto", "hf", "vllm") or a `BackendConfig`. seed: the generator's sequence of seeds.
-    `policy_version` (0 at first) is stamped on every sampled message; bump it after each optimizer step
-    (`push_weights` does).
+    three. backend: a kind ("auto", "hf", "vllm") or a `BackendConfig`. seed: the generator's sequence of
+    seeds. `policy_version` (0 at first) is stamped on every sampled message (docs/rollouts.md).
     """
 
     def __init__(self, model, tokenizer=None, max_new_tokens: int = 50, temperature: float = 0.7, *,
@@ -163,7 +152,6 @@ class ModelGenerate:
         """Tokens the model can attend to (prompt + generation), None when unknown."""
         return self.backend.max_context
 
-    # -- prompts
     def prompt_ids(self, rollouts: Sequence[Rollout]) -> list[list[int]]:
         """Each rollout's prompt ids (`encode_prompt` with this generator's tokenizer), to pass to `generate`."""
         return [encode_prompt(r, self.tokenizer) for r in rollouts]
@@ -206,7 +194,6 @@ class ModelGenerate:
                  seed: int | Sequence[int | None] | None = None, prompt_ids: Sequence[Sequence[int]] | None = None,
                  watch: DecodeWatch | None = None) -> list[list[Message]]:
         """`n` sampled MODEL messages per prompt, all prompts x n in one batch. Does not append.
-
         prompts: Rollouts (encoded by `encode_prompt`) or lists of token ids (sampled from as they are).
         prompt_ids: the rollouts already encoded (`prompt_ids()`), so a caller that checked them encodes once.
         sampling: this call's options only (its empty eos_token_ids take the generator's), never stored.
@@ -283,10 +270,8 @@ class ModelGenerate:
     # -- weight sync / colocation (no-ops for the HF backend, which generates with the live model)
     def push_weights(self, model=None, mode: str = "merged", *, adapter: str | Sequence[str] | None = None) -> None:
         """Copy a training model's weights into the inference engine (vLLM; HF: nothing to copy) and bump
-        `policy_version`: the messages sampled next come from the new weights.
-
-        adapter (with mode="adapter"): push these named adapters of a multi-adapter model, each
-        served under its own `LoRARequest` (`generate(..., adapter=name)` picks it)."""
+        `policy_version`. adapter (with mode="adapter"): push these named adapters of a multi-adapter model,
+        each served under its own `LoRARequest` (`generate(..., adapter=name)` picks it)."""
         if adapter is None:
             self.backend.push_weights(model, mode)
         else:

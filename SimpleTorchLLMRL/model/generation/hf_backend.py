@@ -1,12 +1,8 @@
-"""The HF backend of `ModelGenerate`: left-padded batched decoding with log-probs recorded on the fly.
+"""The HF backend of `ModelGenerate`: left-padded batched decoding with log-probs recorded on the fly, by
+`model.generate` ("default") or `fast_decode` ("fast"), both picking with `picker.TokenPicker`, so they
+sample the same ids under one seed (docs/generation.md).
 
 Legend: B batch (prompts x n samples), L longest prompt, N new tokens, V vocab.
-
-Two decode loops pick tokens with the same `picker.TokenPicker`, so they sample the same ids under one
-seed: `model.generate` ("default", where the picker is the only logits processor and `generate` runs
-greedy over its forced scores) and `fast_decode` ("fast"; "auto": fast on CUDA where the model allows).
-A call with a grammar always takes the default loop (its matchers mask on the host every step). On the
-default path the samples of one prompt share its prefill (`share_prefill`). docs/generation.md has more.
 """
 
 from __future__ import annotations
@@ -87,8 +83,7 @@ class _WatchSteps:
 
 
 class HFBackend:
-    """Left-padded batched `model.generate` with per-token log-probs recorded on the fly; or the fast
-    decode (`fast_decode`: static cache, CUDA graph), `decode="fast"`, the default on CUDA ("auto")."""
+    """`ModelGenerate`'s backend over an HF model (module docstring); `decode`: "default", "fast" or "auto"."""
 
     def __init__(self, model, tokenizer, cfg: SamplingConfig, batch_size: int | None = None,
                  decode: str = "auto"):
@@ -102,8 +97,7 @@ class HFBackend:
         self.vocab_size = model_vocab_size(model)  # the logits' width: the ids a logit_bias may name
         self.decode = decode
         self.compile_decode: bool | None = None  # fast decode: torch.compile its forward (None: on CUDA)
-        # cfg: the generator's defaults (what `logprob_temperature` reports); `generate` samples with the
-        # SamplingConfig it is given and reads nothing else, so calls with other settings share no state
+        # cfg: the generator's defaults (`logprob_temperature`); `generate` reads only the SamplingConfig it gets
         self.tokenizer, self.cfg, self.batch_size = tokenizer, cfg, batch_size
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad is None:
@@ -118,7 +112,6 @@ class HFBackend:
         """Nothing to refuse: the HF loop records log-probs under any settings."""
 
     def prepare_grammar(self, grammar: str) -> None:
-        """Compile `grammar` for this model now (its caller's thread), so a call with it finds it compiled."""
         from SimpleTorchLLMRL.model.generation.constrain import compiled_grammar
 
         compiled_grammar(self.tokenizer, self.vocab_size, grammar)
@@ -139,7 +132,6 @@ class HFBackend:
         return self.logprob_temperature_for(self.cfg)
 
     def logprob_temperature_for(self, sampling: SamplingConfig) -> float:
-        """The temperature a call with `sampling` records its log-probs under."""
         return sampling.logprob_temperature
 
     @property
@@ -149,9 +141,8 @@ class HFBackend:
 
     def generate(self, prompts: list[list[int]], n: int, seeds: list[int], *, sampling: SamplingConfig,
                  adapter: str | None = None, watch=None) -> list[list[Sample]]:
-        """`n` samples per prompt under `sampling` (this call's settings, never stored), sample j of prompt i
-        drawn from the stream of (seeds[i], j) (`picker.row_keys`): the same in any batch; `adapter`: with
-        that LoRA adapter of a multi-adapter peft model active; `watch`: a `sampling.DecodeWatch`."""
+        """`Backend.generate` (streams keyed by `picker.row_keys`); `adapter`: with that LoRA adapter of a
+        multi-adapter peft model active."""
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         sampling.check_vocabulary(self.vocab_size)
@@ -264,19 +255,14 @@ class HFBackend:
             input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
             max_new_tokens=cfg.max_new_tokens, do_sample=False, num_beams=1, temperature=None, top_k=None,
             top_p=None, repetition_penalty=1.0, no_repeat_ngram_size=0, eos_token_id=list(cfg.eos_token_ids),
-            pad_token_id=self.pad_id, logits_processor=LogitsProcessorList([picker]),
-            stopping_criteria=criteria,
-        )
+            pad_token_id=self.pad_id, logits_processor=LogitsProcessorList([picker]), stopping_criteria=criteria)
         new = seq[:, L:]  # (B, N)
         return new, picker.finish()[:, : new.shape[1]]  # (B, N)
 
     def _shared_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-        """KV cache of the first L - 1 tokens of each distinct prompt, prefilled once and repeated
-        for its rows (G samples of one prompt); generate then runs only the last prompt token.
-
-        input_ids, attention_mask (B, L) left-padded. None (generate prefills as usual) when no
-        prompt repeats, or the model brings its own cache kind or is an encoder-decoder.
-        """
+        """KV cache of the first L - 1 tokens of each distinct prompt of input_ids, attention_mask (B, L), prefilled
+        once and repeated for its rows (docs/generation.md, "One prefill per prompt"); None where generate
+        prefills as usual (no prompt repeats, an encoder-decoder, a model with its own cache kind)."""
         config = getattr(self.model, "config", None)
         gen_config = getattr(self.model, "generation_config", None)
         if (input_ids.shape[1] < 2 or getattr(config, "is_encoder_decoder", False)

@@ -1,9 +1,7 @@
-"""How a decode step picks each row's token and its log-prob, with no host sync: `TokenPicker`.
+"""How a decode step picks each row's token and its log-prob, with no host sync: `TokenPicker`, shared by
+both HF decode loops (inverse-CDF sampling, one uniform per row and step from `row_uniforms`).
 
 Legend: B rows, V vocab.
-
-Both HF decode loops share it, so under one seed they draw the same ids: inverse-CDF sampling with one
-uniform per row and step, a counter-based hash of (row key, step) (`row_uniforms`, graph-safe).
 """
 
 from __future__ import annotations
@@ -14,8 +12,6 @@ from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig
 from SimpleTorchLLMRL.model.scoring.truncation import keep_threshold, kept_probs, row_truncation
 
 BLOCK = 1024  # vocabulary entries per first-level block of the inverse CDF
-
-
 M32 = 0xFFFFFFFF
 
 
@@ -53,12 +49,10 @@ def inverse_cdf_sample(p: torch.Tensor, check: bool = True,
                        u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Unnormalized probabilities p (B, V) >= 0 -> ids (B,) with P(v) = p_v / sum(p), and sum(p) (B,) float64.
 
-    One uniform per row: `u` (B, 1) float64 in [0, 1) (`row_uniforms`), else torch's global RNG. Up to 4 x BLOCK entries: one float64
-    cumsum; beyond: a float64 cumsum over per-block sums picks a block, a cumsum
-    inside that block picks the entry (no (B, V) temporary). An entry with p = 0 is
-    never picked: the target mass is kept strictly below each row's total. `check`: raise on a
-    row with no finite positive mass (a host sync); without it such a row's id is arbitrary and the
-    caller checks the returned totals (`mass_error`).
+    One uniform per row: `u` (B, 1) float64 in [0, 1) (`row_uniforms`), else torch's global RNG. Float64
+    cumsums; above 4 x BLOCK entries one over per-block sums picks a block, then one inside it the entry (no
+    (B, V) temporary). An entry with p = 0 is never picked (the target stays strictly below the total).
+    `check`: raise on a row with no finite positive mass (a host sync); else the caller checks the totals.
     """
     B, V = p.shape
     if u is None:
@@ -106,26 +100,10 @@ def checked_mass(total: torch.Tensor, check: bool) -> torch.Tensor:
     return total
 
 
-class _Scratch:
-    """One (B, V) float32 buffer reused by every step of a decode loop."""
-
-    def __init__(self):
-        self.buf: torch.Tensor | None = None
-
-    def like(self, x: torch.Tensor) -> torch.Tensor:
-        if self.buf is None or self.buf.shape != x.shape:
-            self.buf = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        return self.buf
-
-
 class TokenPicker:
-    """One decode step's choice from the (B, V) float32 scores: `pick(scores) -> (ids (B,), logprobs (B,),
-    mass (B,) float64 or None)`, with no host sync.
-
-    The log-prob is log_softmax(raw scores / T) of the chosen token, or, where only truncation shaped the
-    draw (`SamplingConfig.records_truncated`), under the truncated distribution. `mass`: the sampled
-    distribution's unnormalized total, for `unsampleable`.
-    """
+    """One decode step's choice from the (B, V) float32 scores, with no host sync: `pick(scores) -> (ids (B,),
+    logprobs (B,), mass (B,) float64 or None)`: the chosen token's log_softmax(raw scores / T) (the truncated
+    distribution's where `SamplingConfig.records_truncated`), and the sampled total, for `unsampleable`."""
 
     def __init__(self, cfg: SamplingConfig):
         self.greedy, self.inv_t = cfg.greedy, 1.0 / cfg.logprob_temperature
@@ -133,10 +111,15 @@ class TokenPicker:
         self.records_truncated = cfg.records_truncated
         self.settings = (int(cfg.top_k or 0), 1.0 if cfg.top_p is None else float(cfg.top_p), float(cfg.min_p or 0))
         self._trunc = None  # the (B,) Truncation of the decode's rows, built on the first step
-        self.scratch = _Scratch()
+        self._buf: torch.Tensor | None = None  # (B, V) float32, reused by every step of a decode
         self.shift = LogitShift(cfg) if cfg.shifts_logits else None
         self.keys: torch.Tensor | None = None  # (B,) int64 row keys (`start`); None: torch's global RNG
         self.step: torch.Tensor | None = None  # (1,) int64 steps picked since `start`
+
+    def _scratch(self, x: torch.Tensor) -> torch.Tensor:
+        if self._buf is None or self._buf.shape != x.shape:
+            self._buf = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        return self._buf
 
     def start(self, keys: list[int], device) -> None:
         """A new decode whose row i draws from the stream of keys[i] (`row_keys`): copied into the picker's
@@ -161,7 +144,7 @@ class TokenPicker:
     def prepare(self, scores: torch.Tensor) -> None:
         """Before a decode (and before any CUDA graph capture): the step buffers for scores' (B, V) shape,
         the penalty counts of a new completion zeroed in place."""
-        self.scratch.like(scores)
+        self._scratch(scores)
         if self.truncates:
             self._rows(scores)
         if self.shift is not None:
@@ -172,7 +155,7 @@ class TokenPicker:
             return self._pick_shifted(scores)
         inv_t = self.inv_t
         m = scores.amax(-1, keepdim=True)  # (B, 1)
-        d = torch.sub(scores, m, out=self.scratch.like(scores))  # (B, V)
+        d = torch.sub(scores, m, out=self._scratch(scores))  # (B, V)
         if inv_t != 1.0:
             d.mul_(inv_t)
         if self.greedy:
@@ -186,7 +169,7 @@ class TokenPicker:
         else:
             full_lse = None if self.records_truncated else m * inv_t + d.exp_().sum(-1, keepdim=True).log()  # (B, 1)
             z = scores * inv_t  # (B, V) tempered, as the trainer's heads compute them
-            p = kept_probs(z, keep_threshold(z, self._rows(z)), out=self.scratch.like(z))  # (B, V)
+            p = kept_probs(z, keep_threshold(z, self._rows(z)), out=self._scratch(z))  # (B, V)
             tok, total = inverse_cdf_sample(p, check=False, u=u)
             kept_lse = z.amax(-1, keepdim=True) + total[:, None].log().float()  # (B, 1) over the kept set
             if self.records_truncated:
@@ -205,7 +188,7 @@ class TokenPicker:
 
     def _pick_shifted(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`pick` with logit_bias / penalties: the draw is from the shifted scores, the log-prob of the raw ones."""
-        inv_t, buf = self.inv_t, self.scratch.like(scores)
+        inv_t, buf = self.inv_t, self._scratch(scores)
         m = scores.amax(-1, keepdim=True)  # (B, 1)
         d = torch.sub(scores, m, out=buf)  # (B, V)
         if inv_t != 1.0:
@@ -229,13 +212,9 @@ class TokenPicker:
 
 
 class LogitShift:
-    """What logit_bias and the frequency / presence penalties add to a decode step's raw scores, as one
-    (B, V) float32 `offset` = bias - frequency_penalty * count - presence_penalty * (count > 0), with
-    count the times each id was picked so far in this completion (the prompt is not counted, as in vLLM).
-
-    `reset` (a new completion) sets offset to the bias and zeroes the counts in place; `count(tok)`
-    after each pick updates both in place with two scatters: no host sync, fixed addresses (graph-safe).
-    """
+    """What logit_bias and the frequency / presence penalties add to a decode step's raw scores: one (B, V)
+    float32 `offset` (bias minus the penalties of the ids picked so far in this completion), set per
+    completion by `reset` and updated in place by `count` after each pick: graph-safe (docs/generation.md)."""
 
     def __init__(self, cfg: SamplingConfig):
         self.pairs, self.freq, self.pres = cfg.logit_bias, cfg.frequency_penalty, cfg.presence_penalty

@@ -53,12 +53,10 @@ class Backend(Protocol):
 
     def generate(self, prompts: list[list[int]], n: int, seeds: list[int], *,
                  sampling: SamplingConfig) -> list[list[Sample]]:
-        """`n` Samples per prompt under `sampling`, this call's settings: a backend reads no sampling
-        settings of its own during a call, so calls with other settings never see each other's.
-        seeds: one per prompt; the j-th sample of prompt i draws from a stream of (seeds[i], j) alone,
-        so it is the same whatever else is in the batch.
-        Backends that serve several LoRA adapters also take `adapter=` (a name; a list of one per
-        prompt where `mixed_adapters` is True), and a `watch=` (a `DecodeWatch`); each only passed when set."""
+        """`n` Samples per prompt under `sampling`, this call's settings (a backend reads none of its own).
+        seeds: one per prompt; sample j of prompt i draws from the stream of (seeds[i], j) alone, the same in
+        any batch. Backends with LoRA adapters also take `adapter=` (a name; a list, one per prompt, where
+        `mixed_adapters`), and `watch=` (a `DecodeWatch`); each only passed when set."""
         ...
 
     def push_weights(self, model, mode: str = "merged") -> None:
@@ -72,18 +70,8 @@ class Backend(Protocol):
 
 @dataclass
 class SamplingConfig:
-    """What to sample and when to stop; validated on construction.
-
-    logit_bias: token id -> a float added to that token's raw logit (a dict or (id, bias) pairs; kept as a
-    sorted tuple). frequency_penalty / presence_penalty (OpenAI's, in [-2, 2]): logit_z -= frequency_penalty
-    * count(z) + presence_penalty * (count(z) > 0), count(z) over this completion's sampled ids. Both shape
-    the logits before temperature and truncation; recorded log-probs stay log_softmax(raw logits / T).
-    min_p (in [0, 1], 0 disables): keep the tokens with probability >= min_p times the top one's. A draw
-    only truncated by top-k / top-p / min-p records log-probs under the truncated distribution
-    (`records_truncated`), the one the trainer scores it under (docs/generation.md).
-    grammar: xgrammar EBNF (start rule `root`) every completion must match (`constrain.py`); log-probs stay
-    those before its mask, and it decides where a completion ends (no stop string applies: `all_stops`).
-    """
+    """What to sample and when to stop; validated on construction. What logit_bias, the penalties, min_p
+    and grammar do, and which log-probs each records: docs/generation.md."""
 
     max_new_tokens: int = 50
     temperature: float = 0.7
@@ -150,9 +138,8 @@ class SamplingConfig:
 
     @property
     def records_truncated(self) -> bool:
-        """Whether the recorded log-probs are under the truncated distribution (the draw truncates, and no
-        logit_bias, penalty or grammar shaped it, which a trainer could not replay): the rule of
-        `chat.truncation.truncation_settings`, which the trainer reads from `distribution_changes()`."""
+        """Whether the recorded log-probs are under the truncated distribution: the trainer's rule,
+        `chat.truncation.truncation_settings` of `distribution_changes()`."""
         if not self.truncates or self.greedy:
             return False
         return truncation_settings(self.distribution_changes()) is not None
@@ -168,14 +155,9 @@ class SamplingConfig:
         return bool(self.logit_bias) or self.penalizes
 
     def distribution_changes(self) -> dict | None:
-        """The settings, beyond temperature, that made the sampling distribution differ from
-        softmax(raw logits / T): what `ModelGenerate` records as `Message.sampling` (None: nothing did).
-
-        Keys (only those set): "top_k", "top_p", "min_p", "logit_bias" ({str(id): bias}, as OpenAI sends it),
-        "frequency_penalty", "presence_penalty", "grammar" (the EBNF text the draw was masked to). Greedy
-        decoding records the logit shifts and the grammar only (the argmax ignores top-k / top-p).
-        JSON-ready: it is stored in rollout files as it is.
-        """
+        """The settings beyond temperature that made the distribution differ from softmax(raw logits / T),
+        recorded as `Message.sampling` (None: nothing did; JSON-ready). Keys, those set: "top_k", "top_p",
+        "min_p" (not when greedy), "logit_bias" ({str(id): bias}, as OpenAI sends it), the penalties, "grammar"."""
         out: dict = {}
         if not self.greedy:
             if self.top_k:
@@ -252,9 +234,6 @@ class Sample:
     text: str
 
 
-# ----------------------------------------------------------------------------- end-of-sequence logic
-
-
 def stop_window(stops: Sequence[str]) -> int:
     """Tokens to decode so that any stop string ending at the last token is visible (>= 1 byte per token)."""
     return max(len(s.encode("utf-8")) for s in stops) + 3
@@ -317,9 +296,6 @@ def default_eos_ids(tokenizer, model=None) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-# ----------------------------------------------------------------------------- watching a decode
-
-
 TokensFn = Callable[[Sequence[int], list[list[int]]], None]
 
 
@@ -329,11 +305,11 @@ class DecodeWatch:
         watch = DecodeWatch(on_tokens=lambda rows, ids: ..., cancelled=lambda row: ...)
         generator.generate(rollouts, n, watch=watch)       # row i * n + j: prompt i's j-th sample
 
-    `on_tokens(rows, ids)` runs on the generating thread with the raw ids each row sampled since the last
-    call (every step on HF `generate`, every `fast_decode.STREAM_EVERY` steps on the fast decode, per engine
-    step on vLLM; an ended row keeps receiving ids, cut as `cut_sample` does): it must be quick and not raise.
-    `cancelled(row)` is read at the same points: such a row stops decoding and keeps what it sampled
-    (finish_reason "length" unless it had ended); the other rows sample the ids they would have without it.
+    `on_tokens(rows, ids)` runs on the generating thread with each row's raw ids since the last call (HF: how
+    often is in docs/gateway.md, "Streaming and hang-ups"; vLLM: per engine step; an ended row keeps
+    receiving ids, cut as `cut_sample` does): it must be quick and not raise. `cancelled(row)` is read at
+    the same points: such a row stops and keeps what it sampled ("length" unless it had ended); the other
+    rows sample the ids they would have without it.
     """
 
     def __init__(self, on_tokens: TokensFn | None = None, cancelled: Callable[[int], bool] | None = None):

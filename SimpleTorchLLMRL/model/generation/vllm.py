@@ -2,11 +2,8 @@
 
 Legend: B prompts, n samples per prompt.
 
-The engine's `logprobs_mode` must give what this library records (`logprobs_mode_problem` refuses the rest;
-docs/generation.md): "processed_logprobs" for a draw only truncated by top-k / top-p / min-p (any
-temperature), "raw_logprobs" at temperature 1 or greedy (any logit_bias or penalty, which vLLM applies after
-taking raw log-probs). Under a grammar the sampled tokens are rescored by a prefill pass (temperature 1
-only). A call with a `watch` steps the engine itself (`vllm_stream`); every push is checked (`vllm_engine`).
+Which `logprobs_mode` records what this library records: `logprobs_mode_problem` (docs/generation.md, "vLLM
+backend"). A call with a `watch` steps the engine itself (`vllm_stream`); every push is checked (`vllm_engine`).
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 def logprobs_mode_problem(mode: str, cfg: SamplingConfig) -> str | None:
-    """Why vLLM's `logprobs_mode` cannot give the log-probs `cfg` records (module docstring); None if it can."""
+    """Why vLLM's `logprobs_mode` cannot give the log-probs `cfg` records; None if it can."""
     if mode not in LOGPROBS_MODES:
         return f"logprobs_mode={mode!r} returns logits, not log-probs; use one of {LOGPROBS_MODES}"
     if mode == "processed_logprobs" and cfg.shifts_logits:
@@ -70,8 +67,7 @@ class VLLMBackend:
                            truncated=cfg.records_truncated, **(vllm_kwargs or {}))
         elif vllm_kwargs:
             raise ValueError("vllm_kwargs only apply when ModelGenerate builds the engine from a model path")
-        # cfg: the generator's defaults (the engine is built and checked for them); `generate` samples
-        # with the SamplingConfig it is given and reads nothing else
+        # cfg: the generator's defaults (the engine is built for them); `generate` reads only the config it gets
         self.llm, self.cfg, self.lora_request = llm, cfg, lora_request
         self.tokenizer = tokenizer if tokenizer is not None else llm.get_tokenizer()
         model_config = engine_model_config(llm)
@@ -95,13 +91,11 @@ class VLLMBackend:
         raise ValueError("top log-probs need the HF backend: this engine records only the sampled ids' log-probs")
 
     def prepare_grammar(self, grammar: str) -> None:
-        """Check that `grammar` parses (the engine compiles it itself, off its sampling loop)."""
         from SimpleTorchLLMRL.model.generation.constrain import check_grammar
 
         check_grammar(grammar)
 
     def check_sampling(self, cfg: SamplingConfig) -> None:
-        """Raise when this engine's log-probs mode cannot record `cfg`'s log-probs (a per-call override)."""
         problem = logprobs_mode_problem(self.logprobs_mode, cfg)
         if problem:
             raise ValueError(problem)
@@ -127,8 +121,7 @@ class VLLMBackend:
             stop_token_ids=list(cfg.eos_token_ids) or None, include_stop_str_in_output=True,
             logprobs=0, seed=seed, skip_special_tokens=True,
             logit_bias=dict(cfg.logit_bias) or None, frequency_penalty=cfg.frequency_penalty,
-            presence_penalty=cfg.presence_penalty, **extra,
-        )
+            presence_penalty=cfg.presence_penalty, **extra)
 
     def _lora_for(self, adapter: str | None):
         if adapter is None:
@@ -140,11 +133,9 @@ class VLLMBackend:
 
     def generate(self, prompts: list[list[int]], n: int, seeds: list[int], *, sampling: SamplingConfig,
                  adapter: str | list[str | None] | None = None, watch=None) -> list[list[Sample]]:
-        """`n` samples per prompt under `sampling` (this call's settings, never stored; refused when this
-        engine's log-probs mode cannot record them); `adapter`: a pushed adapter's name, or one name (or
-        None) per prompt. `watch` (a `model.generation.sampling.DecodeWatch`): the engine is stepped here instead of
-        `LLM.generate` (`vllm_stream.step_watched`), each row's ids reach the watch as they are sampled and
-        the rows it cancels are aborted; the samples are the ones `LLM.generate` gives for the same seed."""
+        """`Backend.generate`, refused where this engine's log-probs mode cannot record `sampling`; `adapter`: a
+        pushed adapter's name, or one (or None) per prompt. With `watch` the engine is stepped here
+        (`vllm_stream.step_watched`), giving the samples `LLM.generate` gives for the same seed."""
         from vllm.inputs import TokensPrompt
 
         if not isinstance(sampling, SamplingConfig):
@@ -207,12 +198,9 @@ class VLLMBackend:
         ids, logprobs = _ids_and_logprobs(row.output, row.given_up_at)
         return Sample(ids, logprobs, "length", self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    # -- weight sync and colocation
     def push_weights(self, model, mode: str = "merged", adapter: str | list[str] | None = None) -> None:
-        """mode "merged"/"full": load (merged) weights into the engine; "adapter": serve the peft adapter via LoRA.
-
-        adapter (mode "adapter" only): the named adapters of a multi-adapter model, each exported to
-        its own directory and served under its own `LoRARequest` (`lora_requests[name]`)."""
+        """mode "merged"/"full": load (merged) weights into the engine; "adapter": serve the peft adapter via LoRA;
+        adapter (mode "adapter" only): named adapters, each served under its own `lora_requests[name]`."""
         if model is None:
             raise ValueError("push_weights needs the training model whose weights to copy")
         if adapter is not None:
@@ -284,24 +272,14 @@ def _ids_and_logprobs(c, count: int) -> tuple[list[int], list[float]]:
     return ids, [clamp_logprob(c.logprobs[k][tok].logprob) for k, tok in enumerate(ids)]
 
 
-# ----------------------------------------------------------------------------- weight sync
-
-
 def load_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Load (HF name, tensor) pairs into the engine's model(s), then drop cached prefixes (stale KV).
-
-    Through the workers' `reload_weights`, in-process or multi-process (`vllm_engine.reload_weights`).
-    """
+    """Load (HF name, tensor) pairs into the engine's model(s) (`vllm_engine.reload_weights`)."""
     reload_weights(llm, weights)
 
 
 def push_weights(llm, model) -> None:
-    """Copy an HF or peft model's weights into a `vllm.LLM`.
-
-    `weight_sync.vllm_weights` gives the base checkpoint names with any LoRA delta merged into new
-    tensors (the training model is never modified; FSDP2 is gathered to rank 0, where the other
-    ranks get nothing to load; a 4-bit base is refused: push the adapter instead).
-    """
+    """Copy an HF or peft model's weights into a `vllm.LLM` (`weight_sync.vllm_weights`: LoRA merged into new
+    tensors; under FSDP2 only rank 0 loads; a 4-bit base is refused)."""
     from SimpleTorchLLMRL.model.generation.weight_sync import vllm_weights
 
     weights = vllm_weights(model)

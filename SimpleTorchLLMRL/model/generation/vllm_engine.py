@@ -6,8 +6,7 @@ Legend: K probe tokens.
     reload_weights(llm, vllm_weights(model).items())    # in-process or multi-process engines alike
     check_agreement(llm, model, probe_ids(tokenizer))   # WeightSyncError when the engine disagrees
 
-Why each setting and how a push reaches the workers: docs/generation.md, "vLLM backend". On the CPU
-build `make_llm` sets `CPU_ENV_DEFAULTS` where unset (never at import).
+Why each setting and how a push reaches the workers: docs/generation.md, "vLLM backend".
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """A watched call on the vLLM backend: the engine stepped request by request, each row's new ids handed to a
-`DecodeWatch` as they are sampled, the rows it gives up aborted in the engine.
+`DecodeWatch` as they are sampled, the rows it gives up aborted in the engine. The requests are
+`LLM.generate`'s (vLLM 0.32) with `CUMULATIVE` outputs, so the engine samples the same ids.
 
 Legend: R requests, k samples per request (vLLM's `n`), R * k rows (row i * k + j: request i's j-th sample).
-
-The requests are `LLM.generate`'s (vLLM 0.32) with `CUMULATIVE` outputs, so the engine samples the same ids.
 """
 
 from __future__ import annotations

@@ -46,10 +46,8 @@ def is_quantized_state_dict(state_dict: dict[str, torch.Tensor]) -> bool:
 
 
 def base_weights(state_dict: dict[str, torch.Tensor], adapter_name: str = "default") -> dict[str, torch.Tensor]:
-    """The base model's tensors under its HF names: LoRA tensors dropped, `modules_to_save[adapter]` kept.
-
-    A plain (non-peft) state dict comes back unchanged.
-    """
+    """The base model's tensors under its HF names: LoRA tensors dropped, `modules_to_save[adapter]` kept (a
+    plain state dict comes back unchanged)."""
     saved = f".modules_to_save.{adapter_name}."
     out: dict[str, torch.Tensor] = {}
     overrides: dict[str, torch.Tensor] = {}
@@ -83,11 +81,8 @@ def lora_specs(model: nn.Module, adapter_name: str = "default") -> dict[str, Lor
 
 def merge_lora_weights(state_dict: dict[str, torch.Tensor], specs: dict[str, LoraSpec],
                        adapter_name: str = "default") -> dict[str, torch.Tensor]:
-    """Base weights (HF names) with every adapter delta of `adapter_name` folded in; the input is not modified.
-
-    Each adapted module needs both halves of the adapter and an entry in `specs`
-    (see `lora_specs`). Merging is done in float32 and cast back to the base dtype.
-    """
+    """Base weights (HF names) with every adapter delta of `adapter_name` folded in, in float32 and cast back to
+    the base dtype; the input is not modified. Each adapted module needs both halves and a `specs` entry."""
     if is_quantized_state_dict(state_dict):
         raise ValueError("this state dict holds 4-bit/8-bit (bitsandbytes) weights, which cannot be merged exactly; "
                          "push the adapter instead (export_adapter + LoRARequest)")
@@ -128,12 +123,9 @@ def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def vllm_weights(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None, *,
                  adapter_name: str = "default", merge_lora: bool = True) -> dict[str, torch.Tensor]:
-    """Full weights under the base model's HF names, ready for vLLM `load_weights(weights.items())`.
-
-    `model`: transformers or peft, plain or FSDP2 (`state_dict` defaults to `gathered_state_dict(model)`, a
-    collective: ranks other than 0 get {}). LoRA deltas are merged (merge_lora=True) or dropped (False).
-    ValueError for a 4-bit base: use `export_adapter` there.
-    """
+    """Full weights under the base model's HF names, ready for vLLM `load_weights(weights.items())`. `model`:
+    transformers or peft, plain or FSDP2 (`state_dict` defaults to `gathered_state_dict(model)`, a collective:
+    ranks other than 0 get {}). LoRA deltas merged (merge_lora=True) or dropped; a 4-bit base is refused."""
     from SimpleTorchLLMRL.model.lora import is_peft_model, is_quantized
 
     if is_quantized(model):
@@ -164,11 +156,8 @@ def adapter_weights(model: nn.Module, state_dict: dict[str, torch.Tensor] | None
 
 def export_adapter(model: nn.Module, path: str, *, adapter_name: str = "default",
                    state_dict: dict[str, torch.Tensor] | None = None) -> str:
-    """Write adapter_config.json + adapter_model.safetensors to `path` for `LoRARequest(name, id, path)`.
-
-    Works on plain and FSDP2-sharded peft models (a collective there: every
-    rank calls it, rank 0 writes). Returns `path`.
-    """
+    """Write adapter_config.json + adapter_model.safetensors for `LoRARequest(name, id, path)`; returns the
+    folder. On FSDP2-sharded peft models a collective: every rank calls it, rank 0 writes."""
     from SimpleTorchLLMRL.distributed.launch import get_rank
     from SimpleTorchLLMRL.model.lora import is_peft_model
 

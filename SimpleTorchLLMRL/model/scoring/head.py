@@ -12,6 +12,7 @@ once per model that the head really gives its logits; `shared_prefix` runs a gro
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -116,6 +117,26 @@ def supports_fused(head: nn.Module, softcap: float | None = None) -> bool:
 # ---------------------------------------------------------------- the forward to the final hidden states
 
 
+class _Scoring:
+    depth = 0  # scoring forwards in progress (a plain attribute: `torch.compile` guards on it)
+
+
+def in_scoring_forward() -> bool:
+    """Whether a forward of `model.scoring` (the trainer's, with or without grad) is running: where the
+    training-only body kernels run (`model.scoring.liger`); the decode's forwards are not."""
+    return _Scoring.depth > 0
+
+
+@contextlib.contextmanager
+def scoring_forward():
+    """Marks the forwards inside as the trainer's (`in_scoring_forward`)."""
+    _Scoring.depth += 1
+    try:
+        yield
+    finally:
+        _Scoring.depth -= 1
+
+
 def forward_last_logits(model, **kwargs):
     """model(**kwargs) with its head scoring only the last position (`logits_to_keep=1`) where it can."""
     try:
@@ -142,8 +163,9 @@ def final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Te
     A group's shared prompt run once: `shared_prefix.shared_hidden_states`.
     """
     mask = right_padded_attention(model, attention_mask) if right_padded else attention_mask
-    out = forward_last_logits(model, input_ids=input_ids, attention_mask=mask, output_hidden_states=True,
-                              use_cache=False)
+    with scoring_forward():
+        out = forward_last_logits(model, input_ids=input_ids, attention_mask=mask, output_hidden_states=True,
+                                  use_cache=False)
     maybe_verify_head(model, out, verify)
     return last_hidden(out)
 
@@ -161,6 +183,27 @@ def right_padded_attention(model, attention_mask: torch.Tensor | None) -> torch.
         return attention_mask
     causal = causal_mask_4d(unwrap(model), attention_mask.new_ones(1, attention_mask.shape[1]))
     return attention_mask if causal is None else causal
+
+
+def in_eval_without_grad(model, fn):
+    """fn() without grad, `model` in eval mode (dropout would make two forwards differ), its mode restored."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return fn()
+    finally:
+        model.train(was_training)
+
+
+def check_same_states(model, got: torch.Tensor, plain: torch.Tensor, problem: str) -> None:
+    """ValueError "<model>: <problem> (max abs difference ...)" when hidden states `got` differ from the plain
+    forward's `plain` (both (n, H), float32 or better) beyond the model's dtype's rounding."""
+    tol = {torch.float32: 1e-4, torch.float64: 1e-6}.get(plain.dtype, 5e-2)  # HF norms upcast to float32
+    got, plain = got.float(), plain.float()
+    err = float((got - plain).abs().max()) if plain.numel() else 0.0
+    if not err <= tol * (1 + float(plain.abs().max())):
+        raise ValueError(f"{type(model).__name__}: {problem.format(err=f'{err:.3g}')}")
 
 
 def maybe_verify_head(model, out, verify: bool) -> None:
@@ -183,6 +226,25 @@ def _verify_head(model, hidden: torch.Tensor, logits: torch.Tensor) -> None:
     _VERIFIED.add(unwrap(model))
 
 
+def sliding_window_layers(config) -> bool:
+    """True when some of the model's layers attend within a sliding window (a full causal mask would be wrong)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return any(t != "full_attention" for t in layer_types)
+    return (getattr(config, "sliding_window", None) is not None
+            and getattr(config, "use_sliding_window", True) is not False)
+
+
+def mask_for_attention(model, allowed: torch.Tensor) -> torch.Tensor:
+    """A (B, 1, Q, K) bool mask (True attends) as `model`'s attention takes it: bool for "sdpa", additive for "eager"."""
+    model = unwrap(model)
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        return allowed
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed,
+                                                                                       torch.finfo(dtype).min)
+
+
 def causal_mask_4d(model, key_valid: torch.Tensor) -> torch.Tensor | None:
     """A (B, 1, T, T) causal mask over the keys `key_valid` (B, T) marks, as HF's attention takes it, or None.
 
@@ -193,18 +255,9 @@ def causal_mask_4d(model, key_valid: torch.Tensor) -> torch.Tensor | None:
     query row is never empty (no NaN in what nobody reads).
     """
     config = getattr(model, "config", None)
-    impl = getattr(config, "_attn_implementation", None)
-    layer_types = getattr(config, "layer_types", None)
-    sliding = (any(t != "full_attention" for t in layer_types) if layer_types
-               else getattr(config, "sliding_window", None) is not None
-               and getattr(config, "use_sliding_window", True) is not False)
-    if impl not in ("sdpa", "eager") or sliding:
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager") or sliding_window_layers(config):
         return None
     T = key_valid.shape[-1]
     eye = torch.eye(T, dtype=torch.bool, device=key_valid.device)
     allowed = (torch.ones_like(eye).tril_() & key_valid.bool()[:, None, None, :]) | eye  # (B, 1, T, T)
-    if impl == "sdpa":
-        return allowed
-    dtype = next(model.parameters()).dtype
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed,
-                                                                                       torch.finfo(dtype).min)
+    return mask_for_attention(model, allowed)

@@ -27,10 +27,12 @@ are scored under that same truncated, renormalized distribution on every kernel 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -50,12 +52,20 @@ from SimpleTorchLLMRL.model.scoring.head_kernels import (
     _TritonChunks,
     _TwoPassHead,
 )
+from SimpleTorchLLMRL.model.scoring.packing import (
+    bucket,
+    check_packing,
+    packed_hidden_states,
+    packing_kind,
+    why_not_packed,
+)
 from SimpleTorchLLMRL.model.scoring.shared_prefix import (
     first_positions,
     plan_shared_prefix,
     shared_hidden_states,
 )
 from SimpleTorchLLMRL.model.scoring.truncation import apply_cut, keep_threshold
+from SimpleTorchLLMRL.utils.warn import warn_user
 
 DEFAULT_CHUNK_SIZE = None  # None: 512 tokens on the "cpu" kernel, GPU_CHUNK_BYTES of logits on "gpu" / "triton"
 CPU_CHUNK_SIZE = 512
@@ -65,6 +75,7 @@ CPU_CHUNK_SIZE = 512
 # one read-modify-write of the float32 weight gradient).
 GPU_CHUNK_BYTES = 512 * 2**20
 HEAD_IMPLS = ("auto", "cpu", "gpu", "triton")
+_UNPACKABLE: weakref.WeakSet = weakref.WeakSet()  # models whose packed forward failed its check (packed=None pads)
 
 
 @dataclass
@@ -88,12 +99,27 @@ class ComputeOptions:
     """Rollouts longer than this many tokens are an error, or are cut with `truncate` (`encode_rollout`)."""
     truncate: bool = False
     """Cut rollouts longer than `max_length` instead of refusing them."""
+    packed: bool | None = None
+    """Padding-free batches: the rows packed side by side with their own position ids, attention kept
+    inside each row (`model.scoring.packing`). True packs (a model whose attention cannot is an error),
+    False pads, None packs where the model's attention takes packed rows ("sdpa", "eager", flash
+    attention; not with share_prefix or sliding-window layers) and pads elsewhere."""
+    length_buckets: int | None = None
+    """Round the forward's lengths (a packed row's slots and the packed rows' count, a padded batch's
+    columns) up to one of k sizes per doubling, so a compiled body sees few shapes; None: exact lengths."""
 
     def __post_init__(self):
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"chunk_size={self.chunk_size!r} is invalid; expected None or an int >= 1")
         if self.head_impl not in HEAD_IMPLS:
             raise ValueError(f"head_impl={self.head_impl!r} is invalid; expected one of {HEAD_IMPLS}")
+        if self.packed not in (None, True, False):
+            raise ValueError(f"packed={self.packed!r} is invalid; expected True, False or None (where the model can)")
+        if self.packed and self.share_prefix:
+            raise ValueError("packed=True and share_prefix=True do not combine (a packed row runs each prompt in "
+                             "its own row); pick one: share_prefix=True runs padded")
+        if self.length_buckets is not None and (isinstance(self.length_buckets, bool) or self.length_buckets < 1):
+            raise ValueError(f"length_buckets={self.length_buckets!r} is invalid; expected None or an int >= 1")
 
 
 def resolve_head_impl(impl: str, device: torch.device) -> str:
@@ -213,19 +239,54 @@ class Scores(NamedTuple):
 
     logprobs: torch.Tensor  # (N,) float32 log p of the scored tokens: with grad, detached when `loss` is set
     entropy: torch.Tensor  # (N,) float32
-    hidden: torch.Tensor  # (B, T, H) the forward's final hidden states (a value head reads them)
+    hidden: torch.Tensor  # (N, H) the final hidden states that predict the scored tokens (a value head reads them)
     loss: torch.Tensor | None  # the sum of `token_loss` formed chunk by chunk in the forward; None: not fused
 
 
 def hidden_states(model, batch, compute: ComputeOptions) -> torch.Tensor:
-    """(B, T, H) final hidden states of a right-padded batch; with `share_prefix`, shared prompts run once.
+    """(N, H) final hidden states that predict the batch's scored tokens (`token_index` order), whatever the layout.
 
-    batch: `input_ids`, `attention_mask` and, with share_prefix, `prefix_plan` (found before the forward).
-    A packed layout (one row, per-sequence position ids) would be read here, and only here."""
+    The one place that knows how rows are laid out: packed (`batch.pack_plan`, found before the forward,
+    where this model's attention takes it: `model.scoring.packing`), each group's prompt run once
+    (`share_prefix`, `batch.prefix_plan`) or right-padded (columns rounded up by `length_buckets`)."""
+    plan = getattr(batch, "pack_plan", None)
+    if plan is not None and packs(model, compute, batch):
+        return packed_hidden_states(model, batch.input_ids, plan)
+    B, T = batch.input_ids.shape
     if compute.share_prefix:
-        return shared_hidden_states(model, batch.input_ids, batch.attention_mask, plan=batch.prefix_plan,
-                                    right_padded=True)
-    return final_hidden_states(model, batch.input_ids, batch.attention_mask, right_padded=True)
+        hidden = shared_hidden_states(model, batch.input_ids, batch.attention_mask, plan=batch.prefix_plan,
+                                      right_padded=True)
+    else:
+        columns = bucket(T, compute.length_buckets) - T
+        ids, mask = (F.pad(t, (0, columns)) for t in (batch.input_ids, batch.attention_mask))
+        hidden = final_hidden_states(model, ids, mask, right_padded=True)[:, :T]
+    return hidden.reshape(B * T, -1).index_select(0, batch.token_index)
+
+
+def packs(model, compute: ComputeOptions, batch=None) -> bool:
+    """Whether `model` runs packed rows under `compute.packed` (True: it must; None: where its attention can).
+
+    With a batch, its plan is checked against the padded forward once per model (`check_packing`): under
+    None a model that differs, or whose packed forward raises, warns and pads from then on; under True the
+    error is raised."""
+    if compute.packed is False or compute.share_prefix:
+        return False
+    if packing_kind(model) is None:
+        if compute.packed:
+            raise ValueError(f"packed=True: {why_not_packed(model)}; use packed=None (pads where it cannot) or False")
+        return False
+    if batch is None or model in _UNPACKABLE:
+        return model not in _UNPACKABLE
+    try:
+        check_packing(model, batch.input_ids, batch.attention_mask, batch.token_index, batch.pack_plan)
+    except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:  # a kernel that fails here too
+        if compute.packed:
+            raise
+        warn_user(f"{type(model).__name__}: its packed forward failed its check against the padded one "
+                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Running it padded (packed=None).")
+        _UNPACKABLE.add(model)
+        return False
+    return True
 
 
 def score(model, batch, compute: ComputeOptions, *, temperature: float = 1.0, hidden: torch.Tensor | None = None,
@@ -235,15 +296,12 @@ def score(model, batch, compute: ComputeOptions, *, temperature: float = 1.0, hi
     batch: `input_ids` (B, T), `attention_mask`, `token_index` (N,) long flat positions b * T + t whose
     hidden state predicts a scored token (the token is at index + 1; found before the forward, so
     nothing here waits for the device), `prefix_plan` (share_prefix) and `truncation` ((B, T) or None).
-    hidden: the forward's (B, T, H) when the caller ran it. token_loss(logp (n,), sl) -> (n,) or a
+    hidden: `hidden_states(model, batch, compute)`'s (N, H) when the caller ran it. token_loss(logp (n,), sl) -> (n,) or a
     scalar: a loss whose terms depend on each token's logp alone; with `compute.fused` (None: the
     "cpu" kernel) and a plain Linear head its gradient is formed chunk by chunk (`Scores.loss`).
     """
-    if hidden is None:
-        hidden = hidden_states(model, batch, compute)
-    B, T = batch.input_ids.shape
+    h = hidden_states(model, batch, compute) if hidden is None else hidden  # (N, H): position t predicts t + 1
     index = batch.token_index
-    h = hidden.reshape(B * T, -1).index_select(0, index)  # (N, H): position t predicts token t + 1
     y = batch.input_ids.reshape(-1).index_select(0, index + 1)  # (N,)
     trunc = None if batch.truncation is None else batch.truncation.at(index + 1)
     head, softcap = output_head(model), logit_softcap(model)

@@ -37,10 +37,13 @@ import torch
 
 from SimpleTorchLLMRL.model.scoring.head import (
     causal_mask_4d,
+    check_same_states,
     final_hidden_states,
     forward_last_logits,
+    in_eval_without_grad,
     last_hidden,
     maybe_verify_head,
+    scoring_forward,
 )
 
 _VERIFIED: weakref.WeakSet = weakref.WeakSet()  # models whose shared forward was checked against the plain one
@@ -108,6 +111,7 @@ def plan_shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, st
     return PrefixPlan(start, group, own, int(start[own].max()), int((lengths - start).max()))
 
 
+@scoring_forward()  # the trainer's forwards (`head.in_scoring_forward`)
 def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                 start: torch.Tensor, plan: PrefixPlan | None = None):
     """(B, T, H) final hidden states of a right-padded batch, exact from `start` on, 0 before it.
@@ -160,27 +164,20 @@ def check_shared_prefix(model, input_ids: torch.Tensor, attention_mask: torch.Te
     """
     if model in _VERIFIED:
         return
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            shared = shared_prefix_hidden_states(model, input_ids, attention_mask, start)
-            if shared is None:
-                return
-            plain = last_hidden(forward_last_logits(model, input_ids=input_ids, attention_mask=attention_mask,
-                                                    output_hidden_states=True, use_cache=False))
-    finally:
-        model.train(was_training)
+
+    def both():
+        shared = shared_prefix_hidden_states(model, input_ids, attention_mask, start)
+        return None if shared is None else (shared[0], final_hidden_states(model, input_ids, attention_mask, False))
+
+    pair = in_eval_without_grad(model, both)
+    if pair is None:
+        return
     cols = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
     needed = (cols >= start[:, None]) & attention_mask.bool()  # (B, T)
-    a, b = shared[0][needed].float(), plain[needed].float()
-    tol = {torch.float32: 1e-4, torch.float64: 1e-6}.get(plain.dtype, 5e-2)  # HF norms upcast to float32
-    err = float((a - b).abs().max()) if a.numel() else 0.0
-    if not err <= tol * (1 + float(b.abs().max())):
-        raise ValueError(
-            f"{type(model).__name__}: share_prefix gives other hidden states than the plain forward (max abs "
-            f"difference {err:.3g}); this model does not run a suffix against a cached prefix the way "
-            "share_prefix needs (its attention, cache or position handling differs). Use share_prefix=False.")
+    check_same_states(model, pair[0][needed], pair[1][needed], "share_prefix gives other hidden states than the "
+                      "plain forward (max abs difference {err}); this model does not run a suffix against a cached "
+                      "prefix the way share_prefix needs (its attention, cache or position handling differs). Use "
+                      "share_prefix=False.")
     _VERIFIED.add(model)
 
 

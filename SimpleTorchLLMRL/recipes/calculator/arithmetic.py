@@ -149,8 +149,6 @@ def write_jsonl(rows: list[dict], path: str | Path) -> Path:
     return path
 
 
-# ---------------------------------------------------------------- answers and the calculator
-
 MAX_EXPRESSION_CHARS = 200
 MAX_ABS = 10**15  # the task's answers stay far below this
 _OPERATORS = frozenset("+-*() 0123456789")
@@ -223,13 +221,9 @@ def prompt_messages(question: str, system_prompt: str | None = SYSTEM_PROMPT) ->
 def solution_rollout(question: str, *, use_tool: bool, final_answer: int | str | None = None,
                      expression: str | None = None, system_prompt: str | None = SYSTEM_PROMPT,
                      tools: list[dict] | None = None) -> Rollout:
-    """A worked rollout for supervised warm-up.
-
-    use_tool=True: assistant calls the calculator on `expression`, the TOOL
-    message carries the computed result, the assistant boxes that result.
-    use_tool=False: the assistant boxes `final_answer` directly (it may be wrong
-    on purpose: the warm-up teaches the format, not always the right answer).
-    `tools` lands in `metadata["tools"]` for the chat template.
+    """A worked rollout for supervised warm-up. use_tool=True: the assistant calls the calculator on
+    `expression` and boxes the TOOL message's result; False: it boxes `final_answer` directly (wrong on
+    purpose, maybe: the warm-up teaches the format). `tools` lands in `metadata["tools"]` for the template.
     """
     msgs = prompt_messages(question, system_prompt)
     if use_tool:

@@ -4,9 +4,7 @@
     check_args(args)                      # UsageError (one line) on a bad flag or output dir
     model, tokenizer = load_policy(args)  # UsageError when the model cannot be loaded
 
-A `UsageError` is printed as one line on stderr by `fail` and the process exits
-with status 2; nothing has been written at that point. (So is a full disk while saving, with
-`CheckpointError`, after the partial checkpoint is removed.)
+`fail` prints a `UsageError` (or a full disk's `CheckpointError`) as one line and exits with status 2.
 """
 
 from __future__ import annotations
@@ -70,9 +68,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each layer's activations in backward (less memory, ~30%% more compute)")
     p.add_argument("--liger", choices=("auto", "on", "off"), default="auto",
-                   help="Liger-Kernel's RMSNorm / SwiGLU / RoPE in the model's body: a faster, leaner loss + "
-                        "backward but a slower HF fast decode (auto: on with --backend vllm on CUDA where "
-                        "liger-kernel is installed and covers the architecture)")
+                   help="Liger-Kernel's RMSNorm / SwiGLU / RoPE in the model's body while it trains (the decode "
+                        "keeps HF's modules): a faster, leaner loss + backward (auto: on CUDA where liger-kernel "
+                        "is installed and covers the architecture)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of the full model")
     p.add_argument("--qlora", action="store_true", help="4-bit base + LoRA adapters (bitsandbytes)")
     p.add_argument("--lora-rank", type=int, default=16)
@@ -224,11 +222,8 @@ def choose_reward(args: argparse.Namespace):
 
 
 def check_output_dir(out: Path, resume: bool) -> None:
-    """A directory we may write into: not a file, and not another run's unless resuming (or restarting) it.
-
-    Its checkpoints/ and final/, where present, are readable directories (a symlink to one is fine; a
-    dangling one is refused in every mode, so nothing starts that could not save or resume).
-    """
+    """A directory we may write into: not a file, and not another run's unless resuming (or restarting) it;
+    its checkpoints/ and final/, where present, readable directories (a dangling symlink is refused)."""
     from SimpleTorchLLMRL.utils.checkpoint import CheckpointError, check_directory
 
     for parent in [out, *out.parents]:
@@ -326,12 +321,8 @@ def load_policy(args: argparse.Namespace):
 def body_kernels(model, args: argparse.Namespace) -> str:
     """--liger on the loaded model: "on" when Liger's body kernels now run in it, else "off" (written back
     into args, and so into checkpoints). "on" that cannot be honoured raises UsageError; "auto" falls back.
-
-    "auto" leaves them out when the HF backend samples with this model: on an H200 they made loss + backward
-    1.3x faster but the fast decode 1.7x slower, and the whole step slower (docs/benchmarks.md#gpu)."""
+    The kernels run in the trainer's forwards only; the HF fast decode keeps HF's modules (docs/recipes.md)."""
     if args.liger == "off" or args.device != "cuda":
-        return "off"
-    if args.liger == "auto" and getattr(args, "backend", "hf") != "vllm":
         return "off"
     from SimpleTorchLLMRL.model.scoring.liger import apply_liger_kernels
 

@@ -3,8 +3,6 @@
     train, held_out = load_data(None, eval_size=200, seed=0)     # built-in synthetic arithmetic
     train, held_out = load_data("data.jsonl", eval_size=200, seed=0)
     train, held_out = load_data("rg:basic_arithmetic", eval_size=200, seed=0)   # a reasoning-gym task
-
-Each step's rows are `train_loop.batch_at`'s (a seeded order, a function of the position only).
 """
 
 from __future__ import annotations
@@ -24,9 +22,6 @@ RG_TRAIN_SIZE = 2000  # its training rows (the held-out rows are drawn beside th
 
 class DatasetError(ValueError):
     """The dataset cannot be used (unreadable, wrong fields, empty); the message is one line."""
-
-
-# ---------------------------------------------------------------- reading
 
 
 def read_rows(spec: str) -> list[dict]:
@@ -126,9 +121,6 @@ def rg_task(spec: str, size: int, seed: int):
 def rg_size(eval_size: int) -> int:
     """Rows drawn from a reasoning-gym task: the training rows and as many as are held out."""
     return RG_TRAIN_SIZE + eval_size
-
-
-# ---------------------------------------------------------------- splits
 
 
 def load_data(spec: str | None, eval_size: int, seed: int) -> tuple[list[dict], list[dict]]:

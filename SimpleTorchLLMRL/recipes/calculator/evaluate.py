@@ -35,10 +35,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate(model, tokenizer, env, reward_fn, rows: Sequence[dict], *, k: int, k_problems: int, seed: int,
              temperature: float = 1.0, max_new_tokens: int = 40, max_turns: int | None = None,
              engine=None) -> tuple[dict[str, float], list[Rollout]]:
-    """Greedy accuracy on every row, pass@k at `temperature` on the first `k_problems`; returns (report, greedy rollouts).
-
-    engine: a `vllm.LLM` to generate with instead of the HF model (its weights must be current).
-    """
+    """Greedy accuracy on every row, pass@k at `temperature` on the first `k_problems`; returns (report, greedy
+    rollouts). engine: a `vllm.LLM` to generate with instead of the HF model (its weights must be current)."""
     questions = [r["question"] for r in rows]
     answers = [r["answer"] for r in rows]
     greedy = ModelGenerate(engine if engine is not None else model, tokenizer, seed=seed,
@@ -58,9 +56,6 @@ def evaluate(model, tokenizer, env, reward_fn, rows: Sequence[dict], *, k: int, 
         report["sampled_accuracy"] = float(correct.float().mean())
         report["sampled_tool_rate"] = sum(map(used_tool, sampled)) / len(sampled)
     return report, rollouts
-
-
-# ---------------------------------------------------------------- text output
 
 
 def render_rollout(rollout: Rollout, reward: float | None = None, show_system: bool = False) -> str:

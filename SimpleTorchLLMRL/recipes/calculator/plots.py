@@ -1,8 +1,6 @@
 """Training curves for `main.py`: mean reward per step and held-out accuracy, one PNG.
 
-    plot_curves(read_metrics("out/metrics.jsonl"), "out/curves.png", k=4)
-
-matplotlib runs with the non-interactive Agg backend (no display needed).
+    plot_curves(read_metrics("out/metrics.jsonl"), "out/curves.png", k=4)   # Agg backend: no display needed
 """
 
 from __future__ import annotations

@@ -48,9 +48,7 @@ def checkpoint_state(args: argparse.Namespace, model, step: int, wandb_run_id: s
 
 def resume_point(out: Path, args: argparse.Namespace, model) -> tuple[Path | None, dict[str, Any] | None]:
     """(checkpoint, its state.json) to continue from, (None, None) to start at step 0; UsageError otherwise.
-
-    Reads only: the manifests, state.json and metrics.jsonl. No weight is loaded and nothing is written.
-    """
+    Reads only the manifests, state.json and metrics.jsonl."""
     if not args.resume:
         return None, None
     root = out / "checkpoints"
@@ -108,25 +106,18 @@ def check_metrics(out: Path) -> bool:
 
 
 def start_over(out: Path) -> None:
-    """--restart: empty the run's checkpoints/ and final/ (metrics.jsonl is rewritten by the new run).
-
-    A symlinked one keeps its link and loses what its target holds. UsageError naming what could not be
-    deleted; nothing is skipped quietly.
-    """
+    """--restart: empty the run's checkpoints/ and final/ (a symlinked one keeps its link); metrics.jsonl is
+    rewritten by the new run. UsageError naming what could not be deleted."""
     for name in ("checkpoints", "final"):
         path = out / name
         try:
             if path.is_symlink():
                 for child in path.iterdir():
-                    _delete(child)
+                    if child.is_dir() and not child.is_symlink():
+                        shutil.rmtree(child)
+                    else:
+                        child.unlink()
             elif path.exists():
                 shutil.rmtree(path)
         except OSError as e:
             raise UsageError(f"--restart: cannot delete {e.filename or path}: {e.strerror or e}") from e
-
-
-def _delete(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink()

@@ -1,11 +1,7 @@
-"""Small helpers `main.py` uses around its loop: step seeds and rows (`batch_at`: a seeded order, a
+"""Small helpers `main.py` uses around its loop, which it runs itself: step seeds and rows (`batch_at`: a
 function of the position only, so a resumed run sees exactly the rows an uninterrupted one would), the
-sampler, each step's episode stats, the metrics log, files, the run lock.
-
-The steps every loop shares (seeding, the LR schedule, the checked optimizer step, checkpoints)
-are the library's: `SimpleTorchLLMRL.utils.training` and `SimpleTorchLLMRL.utils.checkpoint`.
-
-Nothing here runs the loop; `main.py` does, top to bottom.
+sampler, each step's episode stats, the metrics log, files, the run lock. The steps every loop shares are
+the library's (`utils.training`, `utils.checkpoint`).
 """
 
 from __future__ import annotations
@@ -62,12 +58,9 @@ def batch_at(rows: list[dict], position: int, batch_size: int, seed: int) -> lis
 
 
 class Sampler:
-    """Builds each step's `ModelGenerate`; with `--backend vllm` it owns the engine and syncs weights into it.
-
-    HF: the generator samples with the training model itself (nothing to sync).
-    vLLM: one engine for the whole run; after each optimizer step `sync(model)` pushes the
-    weights (merged LoRA for --lora, the adapter for --qlora).
-    """
+    """Builds each step's `ModelGenerate` (HF: with the training model itself). With `--backend vllm` it owns
+    the run's one engine; `sync(model)` after each optimizer step pushes the weights (merged LoRA for --lora,
+    the adapter for --qlora)."""
 
     def __init__(self, model, tokenizer, *, stop_strings, max_new_tokens: int, temperature: float,
                  backend: str = "hf", model_name: str | None = None, adapter: bool = False,
@@ -129,10 +122,8 @@ def write_atomic(path: Path, text: str) -> None:
 
 class BackgroundEval:
     """Held-out evaluations on a copy of the weights, in a worker thread, so training goes on (async mode).
-
-    evaluate_at(step, model) -> (report, rollouts). `finished()` hands back completed evaluations in
-    step order; `finished(wait=True)` waits for all of them.
-    """
+    evaluate_at(step, model) -> (report, rollouts). `finished()` hands back completed evaluations in step
+    order; `finished(wait=True)` waits for all of them."""
 
     def __init__(self, model, evaluate_at):
         self.copy = copy.deepcopy(model).eval()
@@ -162,15 +153,14 @@ class BackgroundEval:
 
 class StopOnSignal:
     """SIGTERM / SIGINT during the loop: the first asks it to stop at the next step boundary, the second
-    stops the process at once (the signal's default action). The previous handlers come back on exit.
+    stops the process at once (the signal's default action). The previous handlers come back on exit;
+    from a thread other than the main one (which alone may set handlers) this does nothing.
 
         with StopOnSignal() as stop:
             for step in steps:
                 ...                                   # the step runs to its end
                 if stop.requested: save a checkpoint; break
         return stop.exit_status                       # 128 + the signal: 143 for SIGTERM, 130 for SIGINT
-
-    Handlers can only be set from the main thread; elsewhere this does nothing.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)

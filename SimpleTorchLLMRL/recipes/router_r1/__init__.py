@@ -1,9 +1,5 @@
-"""Router-R1: train a policy LLM to think, route sub-questions to a pool of LLMs, and answer.
-
-A recipe made of the toolkit's pieces (ModelGenerate, the Env protocol, TagToolCallParser, the SQuAD text
-metrics, PPO / GRPO). See `config` for the options (mirroring the original Hydra setup), `pool` for the
-candidate models, `generation` for the episodes, `reward` for the reward and `trainer` for `RouterR1Trainer`.
-"""
+"""Router-R1: train a policy LLM to think, route sub-questions to a pool of LLMs, and answer
+(docs/recipes.md, "Router-R1"): `config`, `pool`, `generation` (episodes), `reward`, `trainer`."""
 
 from SimpleTorchLLMRL.recipes.router_r1.config import (
     AGENT_PROMPT,

@@ -1,9 +1,6 @@
-"""Router-R1 configuration: six small dataclasses mirroring the original recipe's Hydra config.
-
-The original (ulab-uiuc/Router-R1, verl's `ppo_trainer.yaml` + `train.sh`) groups options as `data.*`,
-`actor_rollout_ref.rollout.*`, `algorithm.*`, `trainer.*`, `critic.*`; field names follow it where one
-exists (train.sh values as defaults). Each dataclass checks itself (ValueError naming the field); the API
-key is never a config value (`tool.api_key_env` names its environment variable).
+"""Router-R1 configuration: six small dataclasses mirroring the original recipe's Hydra config, field names
+and train.sh defaults included (docs/recipes.md, "Configuration"). Each checks itself (ValueError naming
+the field).
 
     cfg = RouterTrainingConfig.from_overrides(["data.train_batch_size=8", "reward.cost_coefficient=0.5"])
 """
@@ -79,12 +76,10 @@ def _paths(owner, name, value) -> tuple[str, ...]:
 
 @dataclass
 class RouterDataConfig:
-    """`data.*`: where questions come from, how many per step, and token budgets.
-
-    max_start_length: longest opening prompt (rows over it are dropped with a warning).
-    max_prompt_length: longest context a turn may be generated from (the episode ends otherwise).
-    max_response_length: new tokens per MODEL turn. max_obs_length: tokens of a routed reply
-    kept inside <information> (longer replies are cut).
+    """`data.*`: where questions come from, how many per step, and token budgets. max_start_length: longest
+    opening prompt (longer rows are dropped with a warning). max_prompt_length: longest context a turn may be
+    generated from (the episode ends otherwise). max_response_length: new tokens per MODEL turn.
+    max_obs_length: tokens of a routed reply kept inside <information> (longer replies are cut).
     """
 
     train_files: tuple[str, ...] = ()
@@ -125,12 +120,10 @@ class RouterDataConfig:
 class RouterGenerationConfig:
     """`actor_rollout_ref.rollout.*` and `max_turns` / `do_route`: how the policy samples and routes.
 
-    max_turns: rounds in which the policy may route (as in the original loop); one final turn
-    with routing off follows, so an episode has at most max_turns + 1 MODEL turns.
-    max_routing_calls: routed calls per episode (None: only max_turns limits them); a search
-    past it is answered "budget exhausted" and marks the episode over budget.
-    n_agent: samples per question (the group size; > 1 for GRPO). top_k: -1 or 0 disables.
-    do_route: False answers every search with no information (the no-routing ablation).
+    max_turns: routing rounds; one final turn with routing off follows (at most max_turns + 1 MODEL
+    turns). max_routing_calls: routed calls per episode (None: no limit but max_turns); a search past it
+    marks the episode over budget. n_agent: samples per question (the group size; > 1 for GRPO). top_k: -1
+    or 0 disables. do_route: False answers every search with no information (the no-routing ablation).
     """
 
     max_turns: int = 4
@@ -157,10 +150,9 @@ class RouterGenerationConfig:
 @dataclass
 class RouterToolConfig:
     """The routing pool's calls (`api_base`, `api_key` of the original, and route_service.py's constants).
-
-    api_key_env: NAME of the environment variable holding the key (None: send no key).
-    agent_prompt: what a routed model is asked, with a {query} placeholder.
-    information_template: how a routed reply is shown to the policy, with one {} placeholder.
+    api_key_env: NAME of the environment variable holding the key (None: send no key). agent_prompt: what a
+    routed model is asked, with a {query} placeholder. information_template: how a routed reply is shown to
+    the policy, with one {} placeholder.
     """
 
     api_base: str | None = None
@@ -194,12 +186,10 @@ class RouterToolConfig:
 
 @dataclass
 class RouterRewardConfig:
-    """`reward_metric`, `cost_coe` and the format penalties of the original `format_reward`.
-
-    total = correct_score * metric(answer) + the penalties that apply (each <= 0, once per
-    rollout) - cost_coefficient * routing cost. reward_metric: "em" | "f1" (SQuAD normalization,
-    signs and decimal points kept when keep_numbers) | "math" (`reward.math.math_equal`).
-    require_think: the first MODEL turn must open with <think> (else malformed).
+    """`reward_metric`, `cost_coe` and the format penalties of the original `format_reward` (docs/recipes.md,
+    "Reward"). reward_metric: "em" | "f1" (SQuAD normalization, signs and decimal points kept when
+    keep_numbers) | "math" (`reward.math.math_equal`). require_think: the first MODEL turn must open with
+    <think> (else malformed).
     """
 
     reward_metric: str = "em"
@@ -296,10 +286,8 @@ class RouterTrainerConfig:
 
 @dataclass
 class RouterValidationConfig:
-    """Validation (`trainer.test_freq`, `+trainer.val_before_train`, `+trainer.val_only`).
-
-    Validation decodes greedily unless do_sample; num_examine rollouts are printed.
-    """
+    """Validation (`trainer.test_freq`, `+trainer.val_before_train`, `+trainer.val_only`): greedy unless
+    do_sample; num_examine rollouts are printed."""
 
     test_freq: int = 15
     val_before_train: bool = False

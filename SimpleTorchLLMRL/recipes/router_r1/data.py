@@ -1,7 +1,6 @@
 """Router-R1 data: question / gold-answer rows from jsonl or json files, sampled, length-filtered, batched.
-
-A row is a dict with `data.prompt_key` (the question) and `data.answer_key` (a gold
-answer or a list of them; the original's {"target": [...]} form works too).
+A row is a dict with `data.prompt_key` (the question) and `data.answer_key` (a gold answer or a list of
+them; the original's {"target": [...]} form works too).
 """
 
 from __future__ import annotations

@@ -5,10 +5,8 @@
     rollouts = RouterGenerationManager(gen, env).run(questions, answers, n=4)   # routing batched per round
     rollouts = collect_rollouts(gen, env, questions, answers, group_size=4)     # the generic loop works too
 
-A search `NAME: query` is answered by a TOOL message `<information>reply</information>`; a malformed
-search, an unknown name, an exhausted budget and a failing model are answered with what went wrong.
-After `max_turns` routing rounds one final turn has routing off. Every search is recorded in the
-episode's `RouterState`, which the reward reads for cost.
+Every search is recorded in the episode's `RouterState`, which the reward reads for cost; how each is
+answered: docs/recipes.md, "Episodes".
 """
 
 from __future__ import annotations
@@ -163,10 +161,9 @@ class RouterEnv(Env):
 class RouterGenerationManager:
     """The batched multi-round loop: generate for all open episodes, route all searches at once, repeat.
 
-    generator: anything with `batch_rollout_generate_response(rollouts)` and a `tokenizer`
-    (a `ModelGenerate`); with `fits(prompt_ids)` it is asked whether the next prompt fits.
-    Metadata per rollout as `collect_rollouts` writes it ("group_id", "question", "answer",
-    "env_state", "turns", "done_reason": "env" | "context").
+    generator: anything with `batch_rollout_generate_response(rollouts)` and a `tokenizer` (a
+    `ModelGenerate`); with `fits(prompt_ids)` it is asked whether the next prompt fits. Metadata per
+    rollout as `collect_rollouts` writes it ("done_reason": "env" | "context").
     """
 
     def __init__(self, generator, env: RouterEnv):

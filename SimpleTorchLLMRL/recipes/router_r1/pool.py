@@ -72,9 +72,7 @@ class RoutedModel:
 
 class CallableModel(RoutedModel):
     """Any Python callable `fn(prompt) -> str | (str, completion_tokens)`; tokens default to words.
-
-    raw_query=True (default) passes the policy's query itself instead of the agent prompt around it.
-    """
+    raw_query=True (default) passes the policy's query itself instead of the agent prompt around it."""
 
     def __init__(self, name: str, fn: Callable[[str], str | tuple[str, int]], *, raw_query: bool = True, **kw):
         if not callable(fn):
@@ -90,11 +88,8 @@ class CallableModel(RoutedModel):
 
 
 class LocalGenerator:
-    """One HF model + tokenizer behind a `ModelGenerate`, loaded on first use, shared by HFModels.
-
-    Give `path` (loaded lazily with `from_pretrained`) or a ready `model` and `tokenizer`.
-    Calls are serialized by a lock (one model, many threads); each call is one batch.
-    """
+    """One HF model + tokenizer behind a `ModelGenerate`, shared by HFModels: `path` (loaded on first use with
+    `from_pretrained`) or a ready `model` and `tokenizer`. Calls are serialized by a lock; each is one batch."""
 
     def __init__(self, path: str | None = None, *, model=None, tokenizer=None, max_new_tokens: int = 512,
                  temperature: float = 0.0, device: str | None = None, dtype: str = "auto"):

@@ -6,7 +6,7 @@ Legend: B batch (rollouts).
     out = reward.compute(rollouts, golds)     # out.total (B,), out.components {name: (B,)}, out.metrics
     rewards = reward(rollouts, golds)         # the reward protocol: total only, (B,) float32
 
-The components (`COMPONENTS`, each penalty at most once per rollout) sum to the total; golds default to
+The components (`COMPONENTS`) sum to the total (docs/recipes.md, "Reward"); golds default to
 `rollout.metadata["answer"]`.
 """
 
@@ -31,9 +31,8 @@ METRICS = ("em", "f1", "routing_cost", "routed_calls", "well_formed", "answered"
 
 
 def golds_of(ground_truth: Any) -> list[str]:
-    """A gold answer or a list of acceptable ones, as strings (a dict with "target" as in the original data).
-
-    A missing one (None, NaN, pandas NA, blank, an empty list) is a ValueError (reward.base.answers_of)."""
+    """A gold answer or a list of acceptable ones, as strings (a dict with "target" as in the original data);
+    a missing one is a ValueError (reward.base.answers_of)."""
     if isinstance(ground_truth, dict) and "target" in ground_truth:
         ground_truth = ground_truth["target"]
     if not isinstance(ground_truth, (str, list, tuple)) and isinstance(ground_truth, Iterable) \
@@ -65,11 +64,8 @@ class RouterRewardOutput:
 
 
 class RouterReward:
-    """The Router-R1 reward over rollouts from `RouterEnv` (see the module docstring).
-
-    pool: the `RoutingPool` (or its model names) that searches are checked against; without it,
-    unknown names are read from the episode's `RouterState` only.
-    """
+    """The Router-R1 reward over rollouts from `RouterEnv`. pool: the `RoutingPool` (or its model names) that
+    searches are checked against; without it, unknown names are read from the episode's `RouterState` only."""
 
     name = "router_r1"
 

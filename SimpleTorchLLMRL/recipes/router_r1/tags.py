@@ -1,9 +1,5 @@
-"""Router-R1's tag grammar: read a MODEL turn's action and check a trajectory's format.
-
-A turn is `<think>...</think>` followed by either `<search>MODEL_NAME: query</search>` or
-`<answer>...</answer>`; `<information>...</information>` is written by the environment, never by the model.
-The first closed <search> or <answer> of a turn is its action (as in the original `postprocess_predictions`),
-read with the toolkit's `TagToolCallParser`.
+"""Router-R1's tag grammar: read a MODEL turn's action (its first closed <search> or <answer>, as in the
+original `postprocess_predictions`) and check a trajectory's format (docs/recipes.md, "Router-R1").
 """
 
 from __future__ import annotations
@@ -22,11 +18,8 @@ _PLACEHOLDERS = ("model_name", "llm-name", "your-query", "your question")
 
 @dataclass
 class Action:
-    """What a MODEL turn asks for.
-
-    kind: "answer", "route" (a well-formed search), "malformed_route" (a search that is
-    not `NAME: query`), or "none" (neither tag closed). For a route, `name` and `query`.
-    """
+    """What a MODEL turn asks for. kind: "answer", "route" (a well-formed search, with `name` and `query`),
+    "malformed_route" (a search that is not `NAME: query`), or "none" (neither tag closed)."""
 
     kind: str
     content: str = ""
@@ -72,12 +65,9 @@ def final_answer(model_texts: list[str]) -> str | None:
 
 
 def format_problems(model_texts: list[str], require_think: bool = True) -> list[str]:
-    """Why the MODEL turns are malformed (empty list: well formed). Router-R1's rules:
-
-    every turn's think/search/answer tags balanced and not nested; the model never writes
-    <information>; each search is `NAME: query`; at most one <answer>, ending the last turn;
-    with require_think, the first turn opens with a non-empty <think>.
-    """
+    """Why the MODEL turns are malformed (empty list: well formed): tags unbalanced or nested, <information>
+    written by the model, a search not `NAME: query`, more than one <answer> or one not ending the last
+    turn, and with require_think a first turn that does not open with a non-empty <think>."""
     problems = []
     for k, text in enumerate(model_texts):
         for tag in MODEL_TAGS:

@@ -87,7 +87,6 @@ class RouterR1Trainer:
         self.logger = metrics_logger(config, print_fn)
         self.print_fn = print_fn
 
-    # -- construction helpers
     def _algorithm(self):
         from SimpleTorchLLMRL.trainer.grpo import GRPO
         from SimpleTorchLLMRL.trainer.ppo import PPO
@@ -113,7 +112,6 @@ class RouterR1Trainer:
         total = per_epoch * t.total_epochs
         return min(total, t.total_training_steps) if t.total_training_steps is not None else total
 
-    # -- one training step
     def train_step(self, rows) -> dict[str, float]:
         start = time.perf_counter()
         questions, answers = [r.question for r in rows], [r.answer for r in rows]
@@ -174,7 +172,6 @@ class RouterR1Trainer:
             clipped_step(self.actor_opt, grad_clip)
         self.actor_opt.zero_grad(set_to_none=True)
 
-    # -- validation
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Episodes on the validation rows (greedy unless validation.do_sample): mean reward, EM, F1, cost."""
@@ -197,7 +194,6 @@ class RouterR1Trainer:
                 f"  {m.role}: {m.content.strip()}" for m in r.messages[1:]) + f"\n  gold: {r.metadata['answer']}")
         return metrics
 
-    # -- the loop
     def fit(self) -> dict[str, dict[str, float]]:
         """Train for min(total_epochs x batches per epoch, total_training_steps) steps. Returns the last metrics."""
         v, t = self.config.validation, self.config.trainer
@@ -231,12 +227,10 @@ class RouterR1Trainer:
             self.logger.close()
         return last
 
-    # -- checkpoints
     def save_checkpoint(self, directory: str | None = None) -> Path:
-        """A resumable checkpoint (utils.checkpoint) in directory/step-N (default: default_local_dir/checkpoints):
-        the policy's trainable weights, the actor optimizer and scheduler, the value head / critic and its
-        optimizer, RNG, and the config; plus the policy as `save_pretrained` in default_local_dir/final.
-        Both are written atomically (a crash never leaves a half checkpoint)."""
+        """Atomically, a resumable checkpoint (utils.checkpoint) in directory/step-N (default: default_local_dir/
+        checkpoints: the policy's trainable weights, the actor optimizer and scheduler, the value head /
+        critic and its optimizer, RNG, the config) and the policy `save_pretrained` in default_local_dir/final."""
         t = self.config.trainer
         extra = {}
         if self.critic_opt is not None:

@@ -1,0 +1,157 @@
+"""Padding-free batches: the rows of a batch packed into one, attention kept inside each row.
+
+Legend: B rows, T tokens (padded), L packed slots, S runs, N scored tokens, H hidden size.
+
+A right-padded (B, T) batch of ragged rows spends its body, head and loss on padding. Packed, the rows'
+tokens (each up to its last scored one) sit one after another in a (1, L) row, each with its own position
+ids 0..n-1, and every attention layer attends within each row only (`packed_attention`: the model's flash
+varlen kernel, torch's on CUDA, else one `scaled_dot_product_attention` per row), so the forward runs on
+real tokens only, plus the slots that round L up (`length_buckets`).
+
+Where each row sits is data (`plan_packing`, a `PackPlan`): finding it waits for the device, so the
+trainer finds it before the forward (`prepare`, `split`) and the forward itself never syncs (a placeholder
+4D mask keeps HF from building one, whose packed-sequence detection would wait). `packed_hidden_states` is
+the forward; `packing_kind` says whether a model's attention takes packed rows; `check_packing` holds a
+model's packed forward to its padded one once.
+
+`length_buckets` (k): L and the longest run rounded up to one of k sizes per doubling (`bucket`), so a
+compiled body sees a bounded set of shapes over a stream of ragged batches (`torch.compile` of the decoder
+layers compiles once per shape).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+import torch
+
+from SimpleTorchLLMRL.model.scoring.head import (
+    check_same_states,
+    final_hidden_states,
+    forward_last_logits,
+    in_eval_without_grad,
+    last_hidden,
+    maybe_verify_head,
+    scoring_forward,
+    sliding_window_layers,
+    unwrap,
+)
+from SimpleTorchLLMRL.model.scoring.packed_attention import PackedRows, install
+
+_VERIFIED: weakref.WeakSet = weakref.WeakSet()  # models whose packed forward was checked against the padded one
+
+
+def bucket(n: int, steps: int | None) -> int:
+    """n rounded up to one of `steps` sizes per doubling (None: n itself); at most 1 / steps of it is added."""
+    if steps is None or n <= steps:
+        return n
+    step = (1 << (n.bit_length() - 1)) // steps  # n >= 2^k: sizes 2^k + j 2^k / steps
+    return -(-n // step) * step
+
+
+def _impl(model) -> str | None:
+    return getattr(getattr(unwrap(model), "config", None), "_attn_implementation", None)
+
+
+def packing_kind(model) -> str | None:
+    """How `model`'s attention runs packed rows: "flash" (its flash attention's varlen kernel), "sdpa" (torch's
+    varlen kernel on CUDA in half precision, else one sdpa call per row; for "sdpa" and "eager" models without
+    sliding-window layers), or None (flex or another attention)."""
+    from transformers.utils.generic import is_flash_attention_requested
+
+    impl = _impl(model)
+    if impl is None:
+        return None
+    if is_flash_attention_requested(requested_attention_implementation=impl):
+        return "flash"
+    config = getattr(unwrap(model), "config", None)
+    return "sdpa" if impl in ("sdpa", "eager") and not sliding_window_layers(config) else None
+
+
+def why_not_packed(model) -> str:
+    """One line: why `packing_kind(model)` is None."""
+    impl = _impl(model)
+    if impl in ("sdpa", "eager"):
+        return f"{type(model).__name__} has sliding-window attention layers, which packed rows do not cover"
+    return (f"{type(model).__name__}'s attention {impl!r} does not take packed rows (they need \"sdpa\", \"eager\" "
+            "or a flash-attention implementation)")
+
+
+class PackPlan(NamedTuple):
+    """Where each row of a (B, T) batch sits in the packed (1, L) row; found before the forward."""
+
+    gather: torch.Tensor  # (L,) long: the flat position b * T + t each slot holds (0 in the rounding slots)
+    position_ids: torch.Tensor  # (1, L) long: each row's own positions 0..n-1 (the rounding slots: their own run)
+    index: torch.Tensor  # (N,) long: the slots whose hidden states predict the scored tokens, in token_index order
+    rows: PackedRows  # the runs' boundaries, as the attention reads them
+    length_buckets: int | None  # sizes per doubling its lengths were rounded to (None: exact)
+
+    @property
+    def length(self) -> int:
+        return int(self.gather.shape[0])
+
+
+def plan_packing(mask: torch.Tensor, token_index: torch.Tensor, length_buckets: int | None = None) -> PackPlan:
+    """The packed layout of a right-padded batch whose scored tokens `mask` (B, T) marks; waits for the device.
+
+    token_index (N,): the flat positions b * T + t whose hidden states predict them (position t predicts
+    token t + 1). Each row keeps its tokens up to its last scored one (the hidden states past it are
+    never read); L is their sum rounded up by `length_buckets`, the rounding slots one run of their own
+    (empty when nothing is rounded)."""
+    B, T = mask.shape
+    cols = torch.arange(T, device=mask.device)
+    lengths = torch.where(mask.bool(), cols, 0).amax(-1).clamp(min=1).tolist()  # token t needs inputs 0..t-1
+    total = sum(lengths)
+    L = bucket(total, length_buckets)
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    bounds.append(L)  # the rounding slots' run, empty without rounding: B + 2 boundaries, one shape per B
+    gather = torch.cat([torch.arange(b * T, b * T + n) for b, n in enumerate(lengths)] + [torch.zeros(L - total,
+                                                                                                    dtype=torch.long)])
+    runs = torch.tensor(bounds)
+    positions = torch.arange(L) - runs[:-1].repeat_interleave(runs.diff())  # (L,) 0..n-1 within each run
+    device = mask.device
+    start = torch.tensor(bounds[:B], device=device) - torch.arange(B, device=device) * T  # slot (b, t): b T + t + start
+    index = token_index + start.index_select(0, torch.div(token_index, T, rounding_mode="floor"))
+    longest = bucket(max(b - a for a, b in zip(bounds, bounds[1:], strict=False)), length_buckets)
+    host = None if device.type == "cuda" else tuple(bounds)  # on CUDA a compiled layer would specialize on them
+    rows = PackedRows(runs.to(device=device, dtype=torch.int32), host, longest)
+    return PackPlan(gather.to(device), positions.to(device)[None], index, rows, length_buckets)
+
+
+def packed_hidden_states(model, input_ids: torch.Tensor, plan: PackPlan, verify: bool = True) -> torch.Tensor:
+    """(N, H) final hidden states that predict the scored tokens of a right-padded (B, T) batch, run packed.
+
+    No host sync: the layout (`plan`) was found before; a placeholder 4D mask keeps HF from building one."""
+    install(_impl(model))
+    ids = input_ids.reshape(-1).index_select(0, plan.gather)[None]  # (1, L)
+    placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=ids.device)  # read by nothing: `packed_rows` is
+    with scoring_forward():
+        out = forward_last_logits(model, input_ids=ids, position_ids=plan.position_ids, attention_mask=placeholder,
+                                  packed_rows=plan.rows, output_hidden_states=True, use_cache=False)
+    maybe_verify_head(model, out, verify)
+    hidden = last_hidden(out)  # (1, L, H)
+    return hidden[0].index_select(0, plan.index)
+
+
+def check_packing(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_index: torch.Tensor,
+                  plan: PackPlan) -> None:
+    """Once per model: the packed forward's hidden states equal the padded forward's at the scored tokens.
+
+    Both without grad in eval mode; ValueError naming the model when they differ (an attention that does
+    not go through transformers' registry, or positions it ignores)."""
+    if model in _VERIFIED:
+        return
+    B, T = input_ids.shape
+
+    def both():
+        plain = final_hidden_states(model, input_ids, attention_mask, verify=False).reshape(B * T, -1)
+        return packed_hidden_states(model, input_ids, plan, verify=False), plain.index_select(0, token_index)
+
+    packed, plain = in_eval_without_grad(model, both)
+    check_same_states(model, packed, plain, "packed rows give other hidden states than the padded batch (max abs "
+                      "difference {err}); its attention or positions do not follow the packed rows' boundaries "
+                      "and position ids. Use packed=False.")
+    _VERIFIED.add(model)
