@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from SimpleTorchLLMRL.chat.ids_text import check_ids_decode
-from SimpleTorchLLMRL.chat.message import MessageType, Rollout
+from SimpleTorchLLMRL.chat.message import MessageType, Rollout, check_ids_decode
 from SimpleTorchLLMRL.chat.template import ChatTemplate, chat_template_for
 from SimpleTorchLLMRL.chat.truncation import Truncation, batch_truncation
 

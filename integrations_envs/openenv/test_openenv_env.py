@@ -94,15 +94,15 @@ def test_questions_are_reset_arguments(server):
 
 def test_grpo_steps_on_openenv_episodes(server):
     base, _ = server
-    model, tok, gen = tiny_policy(max_new_tokens=40, tool_call_stop=["</tool_call>"])
+    model, tok, gen = tiny_policy(max_new_tokens=40, seed=2, tool_call_stop=["</tool_call>"])
     from SimpleTorchLLMRL.recipes.calculator.arithmetic import SYSTEM_PROMPT
 
     env = OpenEnvEnv(base, action="answer", observe=lambda o: o["feedback"] or o["question"],
                      system_prompt=SYSTEM_PROMPT, max_turns=3)
-    seeds = iter(range(100))
+    seeds = iter(range(100))  # 4 sums a step, 4 tries each
 
     def collect():
-        rollouts = collect_rollouts(gen, env, [{"seed": next(seeds)} for _ in range(2)], group_size=4)
+        rollouts = collect_rollouts(gen, env, [{"seed": next(seeds)} for _ in range(4)], group_size=4)
         return rollouts, episode_rewards(rollouts)
 
     grpo_steps(model, tok, collect, steps=2, group_size=4)

@@ -9,8 +9,7 @@ strings that end inside a token, tool-call stops, EOS, a cut at max_new_tokens, 
 
 import pytest
 
-from SimpleTorchLLMRL.chat.ids_text import check_ids_decode
-from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout
+from SimpleTorchLLMRL.chat.message import Message, MessageType, Rollout, check_ids_decode
 from SimpleTorchLLMRL.chat.tokenize import as_sampled, encode_rollout, rollouts_to_batch
 from SimpleTorchLLMRL.model.generation.generator import ModelGenerate
 from SimpleTorchLLMRL.model.generation.sampling import SamplingConfig

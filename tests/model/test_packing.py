@@ -261,12 +261,12 @@ def test_a_model_that_fails_the_packed_check_pads_under_none_and_is_refused_unde
 def test_a_packed_forward_that_raises_pads_under_none_and_raises_under_true(monkeypatch):
     """A kernel that fails on the device (here: the per-row attention raising) must not end a run that did not ask
     for packing: the check's failure warns and the model pads."""
-    from SimpleTorchLLMRL.model.scoring import packed_attention
+    from SimpleTorchLLMRL.model.scoring import packing
 
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel image is available for execution on the device")
 
-    monkeypatch.setattr(packed_attention, "_each_run", broken)
+    monkeypatch.setattr(packing, "_each_run", broken)
     model, tok = _model("llama", "llama3")
     rollouts = _ragged(model, tok)
     with pytest.raises(RuntimeError, match="no kernel image"):
@@ -425,7 +425,7 @@ def test_on_cuda_in_half_precision_an_sdpa_model_gets_torchs_varlen_kernel(monke
     signature, switched on as on CUDA in bf16, checks the call (its layout, causal window, GQA, boundaries)."""
     from torch.nn.attention import varlen
 
-    from SimpleTorchLLMRL.model.scoring import packed_attention
+    from SimpleTorchLLMRL.model.scoring import packing
 
     calls = []
 
@@ -438,7 +438,7 @@ def test_on_cuda_in_half_precision_an_sdpa_model_gets_torchs_varlen_kernel(monke
         return _per_run(*t, cu_q.tolist(), scale)[0].transpose(0, 1)
 
     monkeypatch.setattr(varlen, "varlen_attn", varlen_attn)
-    monkeypatch.setattr(packed_attention, "_varlen_available", lambda query: True)
+    monkeypatch.setattr(packing, "_varlen_available", lambda query: True)
     model, tok = _model("llama", "llama3")
     rollouts = _ragged(model, tok)
     make = lambda packed: _Recording(GRPO(model, tok, packed=packed))  # noqa: E731

@@ -4,7 +4,7 @@ Legend: B rows, T tokens (padded), L packed slots, S runs, N scored tokens, H hi
 
 A right-padded (B, T) batch of ragged rows spends its body, head and loss on padding. Packed, the rows'
 tokens (each up to its last scored one) sit one after another in a (1, L) row, each with its own position
-ids 0..n-1, and every attention layer attends within each row only (`packed_attention`: the model's flash
+ids 0..n-1, and every attention layer attends within each row only (`packed_attention`, below: the model's flash
 varlen kernel, torch's on CUDA, else one `scaled_dot_product_attention` per row), so the forward runs on
 real tokens only, plus the slots that round L up (`length_buckets`).
 
@@ -21,10 +21,12 @@ layers compiles once per shape).
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from SimpleTorchLLMRL.model.scoring.head import (
     check_same_states,
@@ -37,7 +39,96 @@ from SimpleTorchLLMRL.model.scoring.head import (
     sliding_window_layers,
     unwrap,
 )
-from SimpleTorchLLMRL.model.scoring.packed_attention import PackedRows, install
+
+# ---- attention over packed rows (Hq / Hkv heads, D head size). HF's attention functions do not read a
+# `packed_rows` keyword, so `install` wraps the model's one in transformers' registry (`ALL_ATTENTION_FUNCTIONS`):
+# a call with it runs `packed_attention` (the model's flash varlen kernel; torch's on CUDA in half precision;
+# else sdpa on each run, its boundaries host ints, out of `torch.compile`'s graphs), any other call (the
+# decode, a padded batch, another model) the wrapped function unchanged. The attention costs the sum over
+# rows of n^2, not L^2.
+
+
+class PackedRows(NamedTuple):
+    """The runs of one packed row, as the attention reads them."""
+
+    cu_seqlens: torch.Tensor  # (S + 1,) int32 on the device: run boundaries
+    bounds: tuple[int, ...] | None  # the same on the host; None on CUDA (a compiled layer would specialize on them)
+    max_seqlen: int  # at least the longest run (rounded up with the lengths: fewer shapes to compile)
+
+
+def _varlen_available(query: torch.Tensor) -> bool:
+    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _torch_varlen(query, key, value, rows: PackedRows, scaling) -> torch.Tensor:
+    """(1, Hq, L, D) -> (1, L, Hq, D) with torch's flash varlen kernel (CUDA, half precision)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (L, H, D)
+    out = varlen_attn(q, k, v, rows.cu_seqlens, rows.cu_seqlens, rows.max_seqlen, rows.max_seqlen, scale=scaling,
+                      window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])
+    return out[None]
+
+
+@torch.compiler.disable
+def _each_run(query, key, value, rows: PackedRows, scaling, dropout: float) -> torch.Tensor:
+    """(1, Hq, L, D) -> (1, L, Hq, D): causal `scaled_dot_product_attention` on each run."""
+    gqa = query.shape[1] != key.shape[1]
+    bounds = rows.bounds if rows.bounds is not None else rows.cu_seqlens.tolist()  # CUDA in float32: waits
+    parts = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout,
+                                            is_causal=True, scale=scaling, enable_gqa=gqa)
+             for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+    return torch.cat(parts, dim=2).transpose(1, 2)
+
+
+def packed_attention(original, flash: bool, module, query, key, value, rows: PackedRows, *, scaling=None,
+                     dropout=0.0, sliding_window=None, softcap=None, s_aux=None, **kwargs):
+    """The attention of one layer over packed rows: (output (1, L, Hq, D), None)."""
+    if sliding_window is not None or softcap is not None or s_aux is not None:
+        raise ValueError(f"{type(module).__name__}: packed rows do not cover attention with a sliding window, a "
+                         "soft-cap or sinks; use packed=False")
+    if flash:  # the model's own flash attention: its varlen kernel
+        cu = rows.cu_seqlens
+        out, _ = original(module, query, key, value, None, scaling=scaling, dropout=dropout, cu_seq_lens_q=cu,
+                          cu_seq_lens_k=cu, max_length_q=rows.max_seqlen, max_length_k=rows.max_seqlen, **kwargs)
+        return out, None
+    if dropout == 0.0 and _varlen_available(query):
+        return _torch_varlen(query, key, value, rows, scaling), None
+    return _each_run(query, key, value, rows, scaling, dropout), None
+
+
+def _wrap(name: str, original, flash: bool):
+    def attention(module, query, key, value, attention_mask, *args, packed_rows: PackedRows | None = None,
+                  **kwargs):
+        if packed_rows is None:
+            fn = original or sys.modules[type(module).__module__].eager_attention_forward
+            return fn(module, query, key, value, attention_mask, *args, **kwargs)
+        return packed_attention(original, flash, module, query, key, value, packed_rows, **kwargs)
+
+    attention._packed_rows_of = name
+    return attention
+
+
+def install(impl: str) -> None:
+    """Wrap the attention function `impl` names in transformers' registry so that it reads `packed_rows`
+    (once per process; a call without it runs the wrapped function unchanged)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.utils.generic import is_flash_attention_requested
+
+    current = ALL_ATTENTION_FUNCTIONS.get(impl)
+    if getattr(current, "_packed_rows_of", None) == impl:
+        return
+    flash = is_flash_attention_requested(requested_attention_implementation=impl)
+    ALL_ATTENTION_FUNCTIONS[impl] = _wrap(impl, current, flash)  # None for "eager": each model's own, per call
+
+
+# ---- the packed forward
 
 _VERIFIED: weakref.WeakSet = weakref.WeakSet()  # models whose packed forward was checked against the padded one
 
