@@ -29,8 +29,9 @@ def hf():
 
 
 @pytest.fixture(scope="module")
-def llm():
-    """The real vLLM CPU engine over the embedded calculator model, LoRA enabled; one per module."""
+def llm(request):
+    """The real vLLM CPU engine over the embedded calculator model, one per module: LoRA enabled unless the
+    module sets `ENGINE = dict(...)`, the engine's options."""
     from tests.support.engine_helpers import tiny_calc_engine
 
-    yield from tiny_calc_engine(enable_lora=True, max_lora_rank=8)
+    yield from tiny_calc_engine(**getattr(request.module, "ENGINE", dict(enable_lora=True, max_lora_rank=8)))
