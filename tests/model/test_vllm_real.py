@@ -219,9 +219,9 @@ def test_a_multi_process_engine_takes_checked_pushes():
     import sys
     from pathlib import Path
 
-    here = Path(__file__).resolve().parent
-    res = subprocess.run([sys.executable, str(here / "vllm_multiprocess.py")], cwd=here.parent, capture_output=True,
-                         text=True, timeout=600)
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, str(root / "tests" / "support" / "vllm_multiprocess.py")], cwd=root,
+                         capture_output=True, text=True, timeout=600)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
     assert res.returncode == 0 and lines, res.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT "):])
