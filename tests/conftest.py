@@ -56,10 +56,10 @@ def gpt2_model(plain_tokenizer):
     return tiny_model("gpt2", plain_tokenizer)
 
 
-@pytest.fixture(scope="module")
-def tok():
-    """The ChatML tokenizer, one per module (tests may save or extend it)."""
-    return tiny_tokenizer("chatml")
+@pytest.fixture(scope="session")
+def tok(chatml_tokenizer):
+    """`chatml_tokenizer` under the short name the model and recipe tests use."""
+    return chatml_tokenizer
 
 
 @pytest.fixture(scope="module")
